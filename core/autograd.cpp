@@ -1,0 +1,275 @@
+#include "core/autograd.h"
+
+#include <algorithm>
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "core/ops.h"
+
+namespace microbatch {
+
+namespace {
+thread_local bool t_grad_mode = true;
+thread_local double t_grad_weight = 1.0;
+std::atomic<std::uint64_t> g_sequence{0};
+}  // namespace
+
+bool grad_mode_enabled() { return t_grad_mode; }
+NoGradGuard::NoGradGuard() : previous_(t_grad_mode) { t_grad_mode = false; }
+NoGradGuard::~NoGradGuard() { t_grad_mode = previous_; }
+EnableGradGuard::EnableGradGuard() : previous_(t_grad_mode) { t_grad_mode = true; }
+EnableGradGuard::~EnableGradGuard() { t_grad_mode = previous_; }
+GradWeightGuard::GradWeightGuard(double weight) : previous_(t_grad_weight) { t_grad_weight = weight; }
+GradWeightGuard::~GradWeightGuard() { t_grad_weight = previous_; }
+double grad_weight() { return t_grad_weight; }
+
+// ---- nodes -------------------------------------------------------------------------------------
+
+Node::Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs)
+    : name_(std::move(name)),
+      next_edges_(std::move(next_edges)),
+      fn_(std::move(fn)),
+      num_outputs_(num_outputs),
+      sequence_nr_(g_sequence.fetch_add(1)) {}
+
+std::vector<Tensor> Node::apply(const std::vector<Tensor>& grad_outputs) {
+  MB_CHECK(fn_ != nullptr,
+           "[backward] trying to backward through {} a second time: its saved tensors were freed "
+           "after the first backward. Pass BackwardOptions{{.retain_graph = true}} the first time.",
+           name_);
+  std::vector<Tensor> grads = fn_(grad_outputs);
+  MB_ASSERT(grads.size() == next_edges_.size(), "{} returned {} gradients for {} inputs", name_,
+            grads.size(), next_edges_.size());
+  return grads;
+}
+
+void Node::release() { fn_ = nullptr; }
+
+AccumulateGrad::AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf)
+    : Node("AccumulateGrad", {}, nullptr, 1), leaf_(leaf) {}
+
+std::vector<Tensor> AccumulateGrad::apply(const std::vector<Tensor>& grad_outputs) {
+  auto leaf_impl = leaf_.lock();
+  const Tensor& g = grad_outputs[0];
+  if (!leaf_impl || !g.defined()) return {};
+  Tensor leaf(leaf_impl);
+  MB_ASSERT(g.shape() == leaf.shape(), "gradient shape {} for a leaf of shape {}",
+            shape_str(g.shape()), shape_str(leaf.shape()));
+  const double w = grad_weight();
+  Tensor existing = leaf.grad();
+  if (existing.defined()) {
+    accumulate_(existing, g, w);  // in place: the grad may be a view into an arena
+  } else {
+    Tensor fresh = zeros(leaf.shape(), {.dtype = leaf.dtype(), .device = leaf.device()});
+    accumulate_(fresh, g, w);
+    leaf.set_grad(fresh);
+  }
+  return {};
+}
+
+// ---- saved tensors -----------------------------------------------------------------------------
+
+SavedTensor::SavedTensor(const Tensor& t, const char* op)
+    : tensor_(t), version_(t.defined() ? t.version() : 0), op_(op) {}
+
+Tensor SavedTensor::get() const {
+  if (tensor_.defined()) {
+    MB_CHECK(tensor_.version() == version_,
+             "[autograd] a tensor that {} saved for backward was modified in place since "
+             "(version {}, expected {}); clone it before modifying it",
+             op_, tensor_.version(), version_);
+  }
+  return tensor_;
+}
+
+// ---- recording ---------------------------------------------------------------------------------
+
+bool needs_grad(const std::vector<Tensor>& inputs) {
+  if (!grad_mode_enabled()) return false;
+  return std::any_of(inputs.begin(), inputs.end(),
+                     [](const Tensor& t) { return t.defined() && t.requires_grad(); });
+}
+
+bool needs_grad(std::initializer_list<Tensor> inputs) {
+  return needs_grad(std::vector<Tensor>(inputs));
+}
+
+Edge gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return {};
+  if (t.grad_fn()) return Edge{t.grad_fn(), t.impl()->output_nr};
+  TensorImpl* impl = t.impl();
+  std::shared_ptr<Node> acc = impl->grad_accumulator.lock();
+  if (!acc) {
+    acc = std::make_shared<AccumulateGrad>(t.impl_ptr());
+    impl->grad_accumulator = acc;
+  }
+  return Edge{acc, 0};
+}
+
+void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs,
+                  BackwardFn backward) {
+  if (!needs_grad(inputs)) return;
+  std::vector<Edge> edges;
+  edges.reserve(inputs.size());
+  for (const Tensor& t : inputs) edges.push_back(gradient_edge(t));
+  auto node = std::make_shared<Node>(op, std::move(edges), std::move(backward),
+                                     static_cast<int>(outputs.size()));
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined() || !is_floating(outputs[i].dtype())) continue;
+    outputs[i].impl()->grad_fn = node;
+    outputs[i].impl()->output_nr = static_cast<int>(i);
+    outputs[i].impl()->requires_grad = true;
+  }
+}
+
+void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
+            std::function<std::vector<Tensor>(const Tensor&)> backward) {
+  if (!needs_grad(inputs)) return;
+  std::vector<Tensor> outputs{out};
+  record_multi(op, inputs, outputs,
+               [backward = std::move(backward)](const std::vector<Tensor>& grads) {
+                 return backward(grads[0]);
+               });
+}
+
+void check_inplace(const Tensor& t, const char* op) {
+  MB_CHECK(!(grad_mode_enabled() && t.requires_grad()),
+           "[{}] in-place change of a tensor that requires grad; do it under NoGradGuard or on a "
+           "detached copy", op);
+}
+
+// ---- the engine --------------------------------------------------------------------------------
+
+namespace {
+
+struct NodeOrder {
+  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr() < b->sequence_nr(); }
+};
+
+void add_into(Tensor& slot, const Tensor& g) {
+  if (!slot.defined()) {
+    slot = g;
+  } else {
+    slot = add(slot, g);
+  }
+}
+
+// Runs the graph below roots. When `capture` is given, the gradients reaching those leaves' sinks
+// are stored in `captured` instead of being accumulated.
+void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+             BackwardOptions options, const std::vector<Tensor>* capture,
+             std::vector<Tensor>* captured) {
+  MB_CHECK(roots.size() == grad_roots.size(), "[backward] {} roots but {} root gradients",
+           roots.size(), grad_roots.size());
+  NoGradGuard no_grad;  // backward formulas are not themselves recorded
+
+  std::unordered_map<Node*, std::vector<Tensor>> buffers;
+  std::vector<std::shared_ptr<Node>> keep_alive;
+  std::vector<Edge> root_edges;
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    const Tensor& r = roots[i];
+    MB_CHECK(r.requires_grad(), "[backward] the tensor does not require grad and has no grad_fn");
+    Tensor g = grad_roots[i];
+    if (!g.defined()) {
+      MB_CHECK(r.numel() == 1, "[backward] grad can be created implicitly only for a one-element "
+               "output, got shape {}", shape_str(r.shape()));
+      g = ones(r.shape(), {.dtype = r.dtype(), .device = r.device()});
+    } else {
+      MB_CHECK(g.shape() == r.shape(), "[backward] gradient shape {} differs from output shape {}",
+               shape_str(g.shape()), shape_str(r.shape()));
+    }
+    Edge e = gradient_edge(r);
+    root_edges.push_back(e);
+    auto& buf = buffers[e.fn.get()];
+    buf.resize(e.fn->num_outputs());
+    add_into(buf[e.input_nr], g);
+  }
+
+  // Count, for every node reachable from the roots, how many edges lead into it.
+  std::unordered_map<Node*, int> dependencies;
+  std::vector<Node*> stack;
+  std::unordered_set<Node*> seen;
+  for (const Edge& e : root_edges) {
+    if (seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (!e.fn) continue;
+      ++dependencies[e.fn.get()];
+      if (seen.insert(e.fn.get()).second) stack.push_back(e.fn.get());
+    }
+  }
+
+  std::unordered_map<TensorImpl*, std::size_t> capture_index;
+  if (capture) {
+    for (std::size_t i = 0; i < capture->size(); ++i) capture_index[(*capture)[i].impl()] = i;
+    captured->assign(capture->size(), Tensor());
+  }
+
+  std::priority_queue<Node*, std::vector<Node*>, NodeOrder> ready;
+  for (const Edge& e : root_edges) {
+    if (dependencies[e.fn.get()] == 0) {
+      dependencies[e.fn.get()] = -1;  // queued
+      ready.push(e.fn.get());
+    }
+    keep_alive.push_back(e.fn);
+  }
+
+  while (!ready.empty()) {
+    Node* node = ready.top();
+    ready.pop();
+    std::vector<Tensor> grads = std::move(buffers[node]);
+    buffers.erase(node);
+    grads.resize(node->num_outputs());
+
+    if (capture) {
+      if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
+        auto leaf = acc->leaf();
+        auto it = leaf ? capture_index.find(leaf.get()) : capture_index.end();
+        if (it != capture_index.end()) {
+          add_into((*captured)[it->second], grads[0]);
+          continue;
+        }
+      }
+    }
+    std::vector<Tensor> input_grads = node->apply(grads);
+    grads.clear();
+    if (!options.retain_graph) node->release();
+
+    const auto& edges = node->next_edges();
+    for (std::size_t i = 0; i < edges.size(); ++i) {
+      const Edge& e = edges[i];
+      if (!e.fn) continue;
+      if (i < input_grads.size() && input_grads[i].defined()) {
+        auto& buf = buffers[e.fn.get()];
+        buf.resize(e.fn->num_outputs());
+        add_into(buf[e.input_nr], input_grads[i]);
+      }
+      if (--dependencies[e.fn.get()] == 0) ready.push(e.fn.get());
+    }
+  }
+}
+
+}  // namespace
+
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+                  BackwardOptions options) {
+  execute(roots, grad_roots, options, nullptr, nullptr);
+}
+
+std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+                         const std::vector<Tensor>& inputs, BackwardOptions options) {
+  for (const Tensor& t : inputs) {
+    MB_CHECK(t.defined() && t.requires_grad() && t.is_leaf(),
+             "[grad] inputs must be leaf tensors that require grad");
+  }
+  std::vector<Tensor> captured;
+  execute(roots, grad_roots, options, &inputs, &captured);
+  return captured;
+}
+
+}  // namespace microbatch

@@ -1,0 +1,153 @@
+// The autograd engine: a dynamic graph of Nodes, run in dependency order by backward().
+//
+// Note [Gradient writes]: activation gradients flow between nodes as fresh tensors (overwritten);
+// a leaf's gradient is accumulated in place, `grad += w * g`, where w is the current accumulation
+// weight (GradWeightGuard; 1 by default). That lets a micro-batch add its exact share of a window's
+// gradient without a temporary, and lets a parameter's grad be a view into a flat arena.
+//
+// Note [Releasing saved tensors]: once a node has run, its backward closure (and with it every
+// tensor it saved) is destroyed unless retain_graph is set, so activations die during backward.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace microbatch {
+
+/// Maps the gradients of a node's outputs to the gradients of its inputs (undefined = none).
+using BackwardFn = std::function<std::vector<Tensor>(const std::vector<Tensor>& grad_outputs)>;
+
+struct Edge {
+  std::shared_ptr<Node> fn;
+  int input_nr = 0;  // which output of fn the gradient belongs to
+};
+
+class Node {
+ public:
+  Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs);
+  virtual ~Node() = default;
+
+  /// Gradients for next_edges(), one per edge.
+  virtual std::vector<Tensor> apply(const std::vector<Tensor>& grad_outputs);
+  /// Drops the backward closure and everything it saved.
+  virtual void release();
+  const std::string& name() const { return name_; }
+  const std::vector<Edge>& next_edges() const { return next_edges_; }
+  int num_outputs() const { return num_outputs_; }
+  std::uint64_t sequence_nr() const { return sequence_nr_; }
+
+ protected:
+  std::string name_;
+  std::vector<Edge> next_edges_;
+  BackwardFn fn_;
+  int num_outputs_;
+  std::uint64_t sequence_nr_;
+};
+
+/// The sink of a leaf: accumulates `grad += w * g` into the leaf's .grad (Note [Gradient writes]).
+class AccumulateGrad final : public Node {
+ public:
+  explicit AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf);
+  std::vector<Tensor> apply(const std::vector<Tensor>& grad_outputs) override;
+  void release() override {}
+  std::shared_ptr<TensorImpl> leaf() const { return leaf_.lock(); }
+
+ private:
+  std::weak_ptr<TensorImpl> leaf_;
+};
+
+/// A tensor saved for backward; unpacking checks that nobody modified it in place since.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  SavedTensor(const Tensor& t, const char* op);
+  /// The saved tensor; throws if its version changed since it was saved.
+  Tensor get() const;
+
+ private:
+  Tensor tensor_;
+  std::int64_t version_ = 0;
+  const char* op_ = "";
+};
+
+// ---- grad mode ---------------------------------------------------------------------------------
+bool grad_mode_enabled();
+
+/// Turns graph recording off in its scope (like torch.no_grad()).
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Turns graph recording on in its scope (used to recompute checkpointed segments in backward).
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Sets the accumulation weight w of `grad += w * g` in its scope (Note [Gradient writes]).
+class GradWeightGuard {
+ public:
+  explicit GradWeightGuard(double weight);
+  ~GradWeightGuard();
+  GradWeightGuard(const GradWeightGuard&) = delete;
+  GradWeightGuard& operator=(const GradWeightGuard&) = delete;
+
+ private:
+  double previous_;
+};
+double grad_weight();
+
+// ---- recording ops -----------------------------------------------------------------------------
+/// True when grad mode is on and some input requires grad.
+bool needs_grad(std::initializer_list<Tensor> inputs);
+bool needs_grad(const std::vector<Tensor>& inputs);
+
+/// Makes `out` the output of a node named `op` whose inputs are `inputs` (when needs_grad).
+void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
+            std::function<std::vector<Tensor>(const Tensor& grad_output)> backward);
+/// The same for several outputs; an output that received no gradient passes an undefined one.
+void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs,
+                  BackwardFn backward);
+
+/// The edge along which a gradient for t flows (its grad_fn, or its leaf's AccumulateGrad).
+Edge gradient_edge(const Tensor& t);
+
+/// Refuses an in-place change of a tensor that autograd must see unchanged.
+void check_inplace(const Tensor& t, const char* op);
+
+// ---- running backward --------------------------------------------------------------------------
+/// Backpropagates grad_roots from roots, accumulating into leaves (Tensor::backward).
+void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+                  BackwardOptions options = {});
+
+/// Gradients of roots with respect to `inputs` (leaves), returned instead of accumulated;
+/// other leaves reached still accumulate. Undefined where an input is not reached.
+std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+                         const std::vector<Tensor>& inputs, BackwardOptions options = {});
+
+// ---- activation checkpointing (core/checkpoint.cpp) --------------------------------------------
+using CheckpointFn = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;
+/// Runs fn without saving its internals; during backward, re-runs it (with the same RNG draws)
+/// and backpropagates through the recomputed graph.
+std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>& inputs);
+Tensor checkpoint(const std::function<Tensor(const Tensor&)>& fn, const Tensor& input);
+
+}  // namespace microbatch

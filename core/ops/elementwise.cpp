@@ -1,0 +1,331 @@
+// Element-wise ops: checks, broadcast and dtype promotion, dispatch, and each backward right below.
+// Backward formulas write fresh tensors (activation gradients are overwritten); they are written
+// with the ops themselves, so they broadcast, cast and run on any device like the forward.
+#include <cmath>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+#include "kernels/elementwise.h"
+
+namespace microbatch {
+
+using kernels::BinaryOp;
+using kernels::UnaryOp;
+
+namespace {
+
+Tensor unary_kernel(const char* op, UnaryOp kind, const Tensor& a) {
+  Tensor out = empty(a.shape(), {.dtype = a.dtype(), .device = a.device()});
+  launch(op, a.device(), [&] { kernels::cpu::unary(kind, out.kview(), a.kview()); });
+  return out;
+}
+
+Tensor unary_float(const char* op, UnaryOp kind, const Tensor& a) {
+  check_floating(op, a);
+  return unary_kernel(op, kind, a);
+}
+
+// Broadcasts a and b, promotes them to one dtype, and runs the kernel; out is `out_dtype`, or the
+// common dtype when out_dtype is not given.
+Tensor binary_kernel(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b,
+                     std::optional<DType> out_dtype = std::nullopt) {
+  check_same_device(op, {a, b});
+  const DType common = promote_types(a.dtype(), b.dtype());
+  const Shape shape = broadcast_shapes(a.shape(), b.shape(), op);
+  Tensor x, y;
+  {
+    NoGradGuard no_grad;  // the casts and expands here are part of this op's own backward
+    x = a.dtype() == common ? a : a.to(common);
+    y = b.dtype() == common ? b : b.to(common);
+    x = x.expand(shape);
+    y = y.expand(shape);
+  }
+  Tensor out = empty(shape, {.dtype = out_dtype.value_or(common), .device = a.device()});
+  launch(op, a.device(), [&] { kernels::cpu::binary(kind, out.kview(), x.kview(), y.kview()); });
+  return out;
+}
+
+Tensor scalar_like(double v, const Tensor& t) {
+  DType dt = t.dtype();
+  if (!is_floating(dt) && v != std::floor(v)) dt = DType::f32;
+  if (dt == DType::boolean) dt = DType::i64;
+  return scalar_tensor(v, {.dtype = dt, .device = t.device()});
+}
+
+// What a backward needs to know of an input it did not save: its shape and dtype.
+struct InputMeta {
+  Shape shape;
+  DType dtype;
+  bool requires_grad;
+};
+InputMeta meta_of(const Tensor& t) { return {t.shape(), t.dtype(), t.requires_grad()}; }
+
+// The gradient of a broadcast input: the incoming gradient summed back to its shape and dtype.
+Tensor reduce_grad(const Tensor& g, const InputMeta& input) {
+  if (!input.requires_grad) return Tensor();
+  Tensor r = sum_to(g, input.shape);
+  return r.dtype() == input.dtype ? r : r.to(input.dtype);
+}
+Tensor reduce_grad(const Tensor& g, const Tensor& input) { return reduce_grad(g, meta_of(input)); }
+
+}  // namespace
+
+// ---- arithmetic --------------------------------------------------------------------------------
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_kernel("add", BinaryOp::Add, a, b);
+  record("add", {a, b}, out, [a = meta_of(a), b = meta_of(b)](const Tensor& g) {
+    return std::vector<Tensor>{reduce_grad(g, a), reduce_grad(g, b)};
+  });
+  return out;
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_kernel("sub", BinaryOp::Sub, a, b);
+  record("sub", {a, b}, out, [a = meta_of(a), b = meta_of(b)](const Tensor& g) {
+    return std::vector<Tensor>{reduce_grad(g, a), reduce_grad(neg(g), b)};
+  });
+  return out;
+}
+
+Tensor mul(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_kernel("mul", BinaryOp::Mul, a, b);
+  record("mul", {a, b}, out,
+         [sa = SavedTensor(a, "mul"), sb = SavedTensor(b, "mul"), ra = a.requires_grad(),
+          rb = b.requires_grad()](const Tensor& g) {
+           Tensor x = sa.get(), y = sb.get();
+           return std::vector<Tensor>{ra ? reduce_grad(g * y, x) : Tensor(),
+                                      rb ? reduce_grad(g * x, y) : Tensor()};
+         });
+  return out;
+}
+
+Tensor div(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_kernel("div", BinaryOp::Div, a, b);
+  record("div", {a, b}, out,
+         [sa = SavedTensor(a, "div"), sb = SavedTensor(b, "div"), rb = b.requires_grad()](const Tensor& g) {
+           Tensor x = sa.get(), y = sb.get();
+           Tensor da = reduce_grad(g / y, x);
+           Tensor db = rb ? reduce_grad(neg(g) * x / (y * y), y) : Tensor();
+           return std::vector<Tensor>{da, db};
+         });
+  return out;
+}
+
+Tensor pow(const Tensor& a, const Tensor& b) {
+  check_floating("pow", a);
+  Tensor out = binary_kernel("pow", BinaryOp::Pow, a, b);
+  record("pow", {a, b}, out,
+         [sa = SavedTensor(a, "pow"), sb = SavedTensor(b, "pow"), so = SavedTensor(out, "pow"),
+          rb = b.requires_grad()](const Tensor& g) {
+           Tensor x = sa.get(), y = sb.get();
+           Tensor da = reduce_grad(g * y * pow(x, y - 1.0), x);
+           Tensor db = rb ? reduce_grad(g * so.get() * log(x), y) : Tensor();
+           return std::vector<Tensor>{da, db};
+         });
+  return out;
+}
+
+Tensor pow(const Tensor& a, double exponent) {
+  check_floating("pow", a);
+  Tensor out = binary_kernel("pow", BinaryOp::Pow, a, scalar_like(exponent, a));
+  record("pow", {a}, out, [sa = SavedTensor(a, "pow"), exponent](const Tensor& g) {
+    Tensor x = sa.get();
+    if (exponent == 0.0) return std::vector<Tensor>{zeros_like(x)};
+    return std::vector<Tensor>{g * exponent * pow(x, exponent - 1.0)};
+  });
+  return out;
+}
+
+namespace {
+// maximum/minimum: the gradient goes to the winner; ties split it in half (as PyTorch).
+Tensor extremum(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b) {
+  Tensor out = binary_kernel(op, kind, a, b);
+  const bool is_max = kind == BinaryOp::Maximum;
+  record(op, {a, b}, out,
+         [sa = SavedTensor(a, op), sb = SavedTensor(b, op), is_max](const Tensor& g) {
+           Tensor x = sa.get(), y = sb.get();
+           Tensor wins_a = is_max ? gt(x, y) : lt(x, y);
+           Tensor tie = eq(x, y);
+           Tensor half = g * 0.5;
+           Tensor zero = zeros_like(g);
+           Tensor da = where(tie, half, where(wins_a, g, zero));
+           Tensor db = where(tie, half, where(wins_a, zero, g));
+           return std::vector<Tensor>{reduce_grad(da, x), reduce_grad(db, y)};
+         });
+  return out;
+}
+}  // namespace
+
+Tensor maximum(const Tensor& a, const Tensor& b) { return extremum("maximum", BinaryOp::Maximum, a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return extremum("minimum", BinaryOp::Minimum, a, b); }
+
+// ---- unary -------------------------------------------------------------------------------------
+
+Tensor neg(const Tensor& a) {
+  MB_CHECK(a.dtype() != DType::boolean, "[neg] not supported for bool tensors");
+  Tensor out = unary_kernel("neg", UnaryOp::Neg, a);
+  record("neg", {a}, out, [](const Tensor& g) { return std::vector<Tensor>{neg(g)}; });
+  return out;
+}
+
+Tensor exp(const Tensor& a) {
+  Tensor out = unary_float("exp", UnaryOp::Exp, a);
+  record("exp", {a}, out, [so = SavedTensor(out, "exp")](const Tensor& g) {
+    return std::vector<Tensor>{g * so.get()};
+  });
+  return out;
+}
+
+Tensor log(const Tensor& a) {
+  Tensor out = unary_float("log", UnaryOp::Log, a);
+  record("log", {a}, out, [sa = SavedTensor(a, "log")](const Tensor& g) {
+    return std::vector<Tensor>{g / sa.get()};
+  });
+  return out;
+}
+
+Tensor sqrt(const Tensor& a) {
+  Tensor out = unary_float("sqrt", UnaryOp::Sqrt, a);
+  record("sqrt", {a}, out, [so = SavedTensor(out, "sqrt")](const Tensor& g) {
+    return std::vector<Tensor>{g / (so.get() * 2.0)};
+  });
+  return out;
+}
+
+Tensor rsqrt(const Tensor& a) {
+  Tensor out = unary_float("rsqrt", UnaryOp::Rsqrt, a);
+  record("rsqrt", {a}, out, [so = SavedTensor(out, "rsqrt")](const Tensor& g) {
+    Tensor y = so.get();
+    return std::vector<Tensor>{g * y * y * y * -0.5};
+  });
+  return out;
+}
+
+Tensor abs(const Tensor& a) {
+  Tensor out = unary_kernel("abs", UnaryOp::Abs, a);
+  record("abs", {a}, out, [sa = SavedTensor(a, "abs")](const Tensor& g) {
+    Tensor x = sa.get();
+    Tensor sign = gt(x, scalar_like(0.0, x)).to(x.dtype()) - lt(x, scalar_like(0.0, x)).to(x.dtype());
+    return std::vector<Tensor>{g * sign};
+  });
+  return out;
+}
+
+namespace {
+// An activation whose backward is one kernel of (saved, dy).
+Tensor activation(const char* op, UnaryOp forward, BinaryOp backward, const Tensor& a,
+                  bool save_output) {
+  Tensor out = unary_float(op, forward, a);
+  record(op, {a}, out, [s = SavedTensor(save_output ? out : a, op), backward, op](const Tensor& g) {
+    return std::vector<Tensor>{binary_kernel(op, backward, s.get(), g)};
+  });
+  return out;
+}
+}  // namespace
+
+Tensor tanh(const Tensor& a) { return activation("tanh", UnaryOp::Tanh, BinaryOp::TanhBackward, a, true); }
+Tensor sigmoid(const Tensor& a) {
+  return activation("sigmoid", UnaryOp::Sigmoid, BinaryOp::SigmoidBackward, a, true);
+}
+Tensor relu(const Tensor& a) { return activation("relu", UnaryOp::Relu, BinaryOp::ReluBackward, a, true); }
+Tensor silu(const Tensor& a) { return activation("silu", UnaryOp::Silu, BinaryOp::SiluBackward, a, false); }
+Tensor gelu(const Tensor& a, GeluApproximate approximate) {
+  if (approximate == GeluApproximate::Tanh)
+    return activation("gelu", UnaryOp::GeluTanh, BinaryOp::GeluTanhBackward, a, false);
+  return activation("gelu", UnaryOp::GeluErf, BinaryOp::GeluErfBackward, a, false);
+}
+
+// ---- comparisons and selection -----------------------------------------------------------------
+
+Tensor eq(const Tensor& a, const Tensor& b) { return binary_kernel("eq", BinaryOp::Eq, a, b, DType::boolean); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary_kernel("ne", BinaryOp::Ne, a, b, DType::boolean); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary_kernel("lt", BinaryOp::Lt, a, b, DType::boolean); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary_kernel("le", BinaryOp::Le, a, b, DType::boolean); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary_kernel("gt", BinaryOp::Gt, a, b, DType::boolean); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary_kernel("ge", BinaryOp::Ge, a, b, DType::boolean); }
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  check_same_device("where", {cond, a, b});
+  MB_CHECK(cond.dtype() == DType::boolean, "[where] condition must be bool, got {}",
+           dtype_name(cond.dtype()));
+  const DType common = promote_types(a.dtype(), b.dtype());
+  const Shape shape =
+      broadcast_shapes(cond.shape(), broadcast_shapes(a.shape(), b.shape(), "where"), "where");
+  Tensor c, x, y;
+  {
+    NoGradGuard no_grad;
+    c = cond.expand(shape);
+    x = (a.dtype() == common ? a : a.to(common)).expand(shape);
+    y = (b.dtype() == common ? b : b.to(common)).expand(shape);
+  }
+  Tensor out = empty(shape, {.dtype = common, .device = a.device()});
+  launch("where", a.device(), [&] { kernels::cpu::where(out.kview(), c.kview(), x.kview(), y.kview()); });
+  record("where", {a, b}, out, [cond, a = meta_of(a), b = meta_of(b)](const Tensor& g) {
+    Tensor zero = zeros_like(g);
+    return std::vector<Tensor>{reduce_grad(where(cond, g, zero), a), reduce_grad(where(cond, zero, g), b)};
+  });
+  return out;
+}
+
+Tensor masked_fill(const Tensor& a, const Tensor& mask, double value) {
+  MB_CHECK(mask.dtype() == DType::boolean, "[masked_fill] mask must be bool, got {}",
+           dtype_name(mask.dtype()));
+  Shape b = broadcast_shapes(a.shape(), mask.shape(), "masked_fill");
+  MB_CHECK(b == a.shape(), "[masked_fill] mask of shape {} does not broadcast to the input's {}",
+           shape_str(mask.shape()), shape_str(a.shape()));
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = where(mask, scalar_tensor(value, {.dtype = a.dtype(), .device = a.device()}), a);
+  }
+  record("masked_fill", {a}, out, [mask](const Tensor& g) {
+    return std::vector<Tensor>{where(mask, zeros_like(g), g)};
+  });
+  return out;
+}
+
+Tensor cast(const Tensor& a, DType dtype) {
+  if (a.dtype() == dtype) return a;
+  Tensor out = empty(a.shape(), {.dtype = dtype, .device = a.device()});
+  if (a.device().is_cuda()) {
+    MB_CHECK(false, "[cast] has no CUDA kernel in this build yet ({} to {})", dtype_name(a.dtype()),
+             dtype_name(dtype));
+  }
+  launch("cast", a.device(), [&] { kernels::cpu::copy(out.kview(), a.kview()); });
+  if (is_floating(dtype)) {
+    const DType from = a.dtype();
+    record("cast", {a}, out, [from](const Tensor& g) { return std::vector<Tensor>{g.to(from)}; });
+  }
+  return out;
+}
+
+void accumulate_(Tensor& dst, const Tensor& src, double weight) {
+  check_same_device("accumulate_", {dst, src});
+  MB_CHECK(dst.shape() == src.shape(), "[accumulate_] shapes differ: {} += {}",
+           shape_str(dst.shape()), shape_str(src.shape()));
+  check_floating("accumulate_", dst);
+  check_floating("accumulate_", src);
+  launch("accumulate_", dst.device(),
+         [&] { kernels::cpu::accumulate(dst.kview(), src.kview(), weight); });
+  dst.bump_version();
+}
+
+// ---- operators ---------------------------------------------------------------------------------
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator-(const Tensor& a) { return neg(a); }
+Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a)); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a)); }
+Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a)); }
+Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a)); }
+Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b), b); }
+Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b), b); }
+Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b), b); }
+Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b), b); }
+
+}  // namespace microbatch

@@ -1,0 +1,140 @@
+// Reductions: sum, mean, max, argmax, var, and sum_to (the backward of broadcasting).
+#include <algorithm>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+#include "kernels/reduce.h"
+
+namespace microbatch {
+
+namespace {
+
+struct ReducePlan {
+  std::vector<bool> reduced;  // per input dim
+  Shape out_shape;            // with keepdim applied
+  Shape kept_shape;           // keepdim = true form
+  std::int64_t inner = 1;     // elements reduced per output
+};
+
+ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, bool keepdim,
+                       const char* op) {
+  ReducePlan p;
+  p.reduced.assign(a.dim(), dims.empty());
+  for (auto d : dims) {
+    const int w = wrap_dim(d, a.dim(), op);
+    MB_CHECK(!p.reduced[w] || dims.empty(), "[{}] dim {} repeated", op, w);
+    p.reduced[w] = true;
+  }
+  for (int i = 0; i < a.dim(); ++i) {
+    if (p.reduced[i]) {
+      p.inner *= a.shape()[i];
+      p.kept_shape.push_back(1);
+      if (keepdim) p.out_shape.push_back(1);
+    } else {
+      p.kept_shape.push_back(a.shape()[i]);
+      p.out_shape.push_back(a.shape()[i]);
+    }
+  }
+  return p;
+}
+
+// Runs a row reduction: reduced dims are permuted last and made contiguous first.
+Tensor reduce_kernel(const char* op, kernels::ReduceOp kind, const Tensor& a, const ReducePlan& p,
+                     DType out_dtype) {
+  std::vector<std::int64_t> perm;
+  for (int i = 0; i < a.dim(); ++i) if (!p.reduced[i]) perm.push_back(i);
+  for (int i = 0; i < a.dim(); ++i) if (p.reduced[i]) perm.push_back(i);
+  Tensor x;
+  {
+    NoGradGuard no_grad;
+    x = a.permute(perm).contiguous();
+  }
+  Tensor out = empty(p.out_shape, {.dtype = out_dtype, .device = a.device()});
+  launch(op, a.device(), [&] { kernels::cpu::reduce_rows(kind, out.kview(), x.kview(), p.inner); });
+  return out;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& a, const std::vector<std::int64_t>& dims, ReduceOptions options) {
+  MB_CHECK(a.dtype() != DType::boolean, "[sum] convert bool tensors to an integer or float dtype first");
+  const ReducePlan p = plan_reduce(a, dims, options.keepdim, "sum");
+  Tensor out = reduce_kernel("sum", kernels::ReduceOp::Sum, a, p, a.dtype());
+  record("sum", {a}, out, [from = a.shape(), kept = p.kept_shape](const Tensor& g) {
+    return std::vector<Tensor>{g.reshape(kept).expand(from).contiguous()};
+  });
+  return out;
+}
+
+Tensor mean(const Tensor& a, const std::vector<std::int64_t>& dims, ReduceOptions options) {
+  check_floating("mean", a);
+  const ReducePlan p = plan_reduce(a, dims, options.keepdim, "mean");
+  MB_CHECK(p.inner > 0, "[mean] of an empty selection (shape {})", shape_str(a.shape()));
+  return sum(a, dims, options) / static_cast<double>(p.inner);
+}
+
+Tensor max(const Tensor& a, std::int64_t dim, ReduceOptions options) {
+  const int d = wrap_dim(dim, a.dim(), "max");
+  MB_CHECK(a.dim() == 0 || a.shape()[d] > 0, "[max] of an empty dim {} (shape {})", d, shape_str(a.shape()));
+  const ReducePlan p = plan_reduce(a, {d}, options.keepdim, "max");
+  Tensor out = reduce_kernel("max", kernels::ReduceOp::Max, a, p, a.dtype());
+  if (needs_grad({a})) {
+    Tensor index = reduce_kernel("max", kernels::ReduceOp::ArgMax, a, plan_reduce(a, {d}, true, "max"),
+                                 DType::i64);
+    record("max", {a}, out, [index, from = a.shape(), kept = p.kept_shape, d](const Tensor& g) {
+      // The gradient goes to the first maximal element: a one-hot mask along d.
+      Shape pos_shape(from.size(), 1);
+      if (!from.empty()) pos_shape[d] = from[d];
+      Tensor positions = arange(0, static_cast<double>(from.empty() ? 1 : from[d]), 1,
+                                {.dtype = DType::i64, .device = g.device()}).reshape(pos_shape);
+      Tensor hit = eq(positions, index);
+      return std::vector<Tensor>{where(hit, g.reshape(kept), zeros({}, {.dtype = g.dtype(), .device = g.device()})).expand(from).contiguous()};
+    });
+  }
+  return out;
+}
+
+Tensor max(const Tensor& a) {
+  MB_CHECK(a.numel() > 0, "[max] of an empty tensor");
+  return max(a.reshape({-1}), 0);
+}
+
+Tensor argmax(const Tensor& a, std::int64_t dim, ReduceOptions options) {
+  const int d = wrap_dim(dim, a.dim(), "argmax");
+  MB_CHECK(a.dim() == 0 || a.shape()[d] > 0, "[argmax] of an empty dim {} (shape {})", d, shape_str(a.shape()));
+  return reduce_kernel("argmax", kernels::ReduceOp::ArgMax, a, plan_reduce(a, {d}, options.keepdim, "argmax"),
+                       DType::i64);
+}
+
+Tensor var(const Tensor& a, const std::vector<std::int64_t>& dims, VarOptions options) {
+  check_floating("var", a);
+  const ReducePlan p = plan_reduce(a, dims, options.keepdim, "var");
+  const std::int64_t denom = p.inner - options.correction;
+  MB_CHECK(denom > 0, "[var] {} elements with correction {} leave no degrees of freedom", p.inner,
+           options.correction);
+  Tensor centered = a - mean(a, dims, {.keepdim = true});
+  return sum(centered * centered, dims, {.keepdim = options.keepdim}) / static_cast<double>(denom);
+}
+
+Tensor sum_to(const Tensor& a, const Shape& shape) {
+  if (a.shape() == shape) return a;
+  MB_CHECK(a.dim() >= static_cast<int>(shape.size()), "[sum_to] cannot sum shape {} to {}",
+           shape_str(a.shape()), shape_str(shape));
+  const std::size_t lead = a.dim() - shape.size();
+  std::vector<std::int64_t> dims;
+  for (std::size_t i = 0; i < static_cast<std::size_t>(a.dim()); ++i) {
+    if (i < lead) {
+      dims.push_back(static_cast<std::int64_t>(i));
+    } else if (shape[i - lead] == 1 && a.shape()[i] != 1) {
+      dims.push_back(static_cast<std::int64_t>(i));
+    } else {
+      MB_CHECK(shape[i - lead] == a.shape()[i], "[sum_to] cannot sum shape {} to {}",
+               shape_str(a.shape()), shape_str(shape));
+    }
+  }
+  if (dims.empty()) return a.reshape(shape);
+  return sum(a, dims, {.keepdim = true}).reshape(shape);
+}
+
+}  // namespace microbatch

@@ -1,0 +1,191 @@
+// Views: new shape and strides over the same storage, no copy. Each backward maps the gradient
+// back to the input's shape (overwrites; no saved tensors, only shapes).
+#include <algorithm>
+#include <numeric>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+
+namespace microbatch {
+
+namespace {
+
+Tensor as_view(const Tensor& base, const Shape& shape, const Shape& strides, std::int64_t offset) {
+  return make_strided(base.storage(), shape, strides, offset, base.dtype());
+}
+
+// Resolves one -1 in a requested shape against numel.
+Shape infer_shape(const Shape& requested, std::int64_t numel, const char* op, const Shape& from) {
+  Shape shape = requested;
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      MB_CHECK(infer < 0, "[{}] only one dimension can be -1, got {}", op, shape_str(requested));
+      infer = static_cast<int>(i);
+    } else {
+      MB_CHECK(shape[i] >= 0, "[{}] invalid size in {}", op, shape_str(requested));
+      known *= shape[i];
+    }
+  }
+  if (infer >= 0) {
+    MB_CHECK(known != 0 && numel % known == 0, "[{}] cannot view {} as {}", op, shape_str(from),
+             shape_str(requested));
+    shape[infer] = numel / known;
+  }
+  MB_CHECK(shape_numel(shape) == numel, "[{}] shape {} is invalid for input of shape {} ({} elements)",
+           op, shape_str(requested), shape_str(from), numel);
+  return shape;
+}
+
+}  // namespace
+
+Tensor Tensor::view(const Shape& requested) const {
+  const Shape shape = infer_shape(requested, numel(), "view", this->shape());
+  MB_CHECK(is_contiguous(), "[view] input of shape {} is not contiguous; use reshape()",
+           shape_str(this->shape()));
+  Tensor out = as_view(*this, shape, contiguous_strides(shape), offset());
+  record("view", {*this}, out, [from = this->shape()](const Tensor& g) {
+    return std::vector<Tensor>{g.reshape(from)};
+  });
+  return out;
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  if (is_contiguous()) return view(shape);
+  return contiguous().view(shape);
+}
+
+Tensor Tensor::transpose(std::int64_t dim0, std::int64_t dim1) const {
+  const int d0 = wrap_dim(dim0, dim(), "transpose"), d1 = wrap_dim(dim1, dim(), "transpose");
+  if (dim() == 0) return *this;
+  Shape shape = this->shape(), st = strides();
+  std::swap(shape[d0], shape[d1]);
+  std::swap(st[d0], st[d1]);
+  Tensor out = as_view(*this, shape, st, offset());
+  record("transpose", {*this}, out, [d0, d1](const Tensor& g) {
+    return std::vector<Tensor>{g.transpose(d0, d1)};
+  });
+  return out;
+}
+
+Tensor Tensor::t() const {
+  MB_CHECK(dim() == 2, "[t] expected a 2-d tensor, got shape {}", shape_str(shape()));
+  return transpose(0, 1);
+}
+
+Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
+  MB_CHECK(static_cast<int>(dims.size()) == dim(), "[permute] {} dims given for a {}-d tensor",
+           dims.size(), dim());
+  std::vector<std::int64_t> inverse(dims.size(), -1);
+  Shape shape(dims.size()), st(dims.size());
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const int d = wrap_dim(dims[i], dim(), "permute");
+    MB_CHECK(inverse[d] < 0, "[permute] dim {} repeated", d);
+    inverse[d] = static_cast<std::int64_t>(i);
+    shape[i] = this->shape()[d];
+    st[i] = strides()[d];
+  }
+  Tensor out = as_view(*this, shape, st, offset());
+  record("permute", {*this}, out, [inverse](const Tensor& g) {
+    return std::vector<Tensor>{g.permute(inverse)};
+  });
+  return out;
+}
+
+Tensor Tensor::slice(std::int64_t dim_, std::int64_t start, std::int64_t end, std::int64_t step) const {
+  const int d = wrap_dim(dim_, dim(), "slice");
+  MB_CHECK(step > 0, "[slice] step must be positive, got {}", step);
+  const std::int64_t n = shape()[d];
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  start = std::clamp<std::int64_t>(start, 0, n);
+  end = std::clamp<std::int64_t>(end, start, n);
+  Shape shape = this->shape(), st = strides();
+  shape[d] = (end - start + step - 1) / step;
+  st[d] = strides()[d] * step;
+  Tensor out = as_view(*this, shape, st, offset() + start * strides()[d]);
+  record("slice", {*this}, out, [from = this->shape(), dtype = dtype(), d, start, end, step](const Tensor& g) {
+    Tensor full_grad = zeros(from, {.dtype = dtype, .device = g.device()});
+    full_grad.slice(d, start, end, step).copy_(g);
+    return std::vector<Tensor>{full_grad};
+  });
+  return out;
+}
+
+Tensor Tensor::select(std::int64_t dim_, std::int64_t index) const {
+  const int d = wrap_dim(dim_, dim(), "select");
+  const std::int64_t n = shape()[d];
+  MB_CHECK(index >= -n && index < n, "[select] index {} out of range for dim {} of size {}", index, d, n);
+  if (index < 0) index += n;
+  return slice(d, index, index + 1).squeeze(d);
+}
+
+Tensor Tensor::expand(const Shape& target) const {
+  MB_CHECK(target.size() >= shape().size(), "[expand] cannot expand shape {} to {}",
+           shape_str(shape()), shape_str(target));
+  if (target == shape()) return *this;
+  const std::size_t lead = target.size() - shape().size();
+  Shape st(target.size(), 0);
+  Shape out_shape = target;
+  for (std::size_t i = 0; i < target.size(); ++i) {
+    if (i < lead) {
+      MB_CHECK(target[i] >= 0, "[expand] invalid size in {}", shape_str(target));
+      continue;
+    }
+    const std::int64_t have = shape()[i - lead];
+    if (target[i] == -1 || target[i] == have) {
+      out_shape[i] = have;
+      st[i] = strides()[i - lead];
+    } else {
+      MB_CHECK(have == 1, "[expand] cannot expand shape {} to {}", shape_str(shape()),
+               shape_str(target));
+    }
+  }
+  Tensor out = as_view(*this, out_shape, st, offset());
+  record("expand", {*this}, out, [from = shape()](const Tensor& g) {
+    return std::vector<Tensor>{sum_to(g, from)};
+  });
+  return out;
+}
+
+Tensor Tensor::squeeze(std::int64_t dim_) const {
+  const int d = wrap_dim(dim_, dim(), "squeeze");
+  if (dim() == 0 || shape()[d] != 1) return *this;
+  Shape shape = this->shape(), st = strides();
+  shape.erase(shape.begin() + d);
+  st.erase(st.begin() + d);
+  Tensor out = as_view(*this, shape, st, offset());
+  record("squeeze", {*this}, out, [from = this->shape()](const Tensor& g) {
+    return std::vector<Tensor>{g.reshape(from)};
+  });
+  return out;
+}
+
+Tensor Tensor::unsqueeze(std::int64_t dim_) const {
+  const int d = wrap_dim(dim_, dim() + 1, "unsqueeze");
+  Shape shape = this->shape(), st = strides();
+  const std::int64_t stride = d < dim() ? strides()[d] * this->shape()[d] : 1;
+  shape.insert(shape.begin() + d, 1);
+  st.insert(st.begin() + d, stride);
+  Tensor out = as_view(*this, shape, st, offset());
+  record("unsqueeze", {*this}, out, [from = this->shape()](const Tensor& g) {
+    return std::vector<Tensor>{g.reshape(from)};
+  });
+  return out;
+}
+
+Tensor Tensor::flatten(std::int64_t start_dim, std::int64_t end_dim) const {
+  if (dim() == 0) return reshape({1});
+  const int s = wrap_dim(start_dim, dim(), "flatten"), e = wrap_dim(end_dim, dim(), "flatten");
+  MB_CHECK(s <= e, "[flatten] start_dim {} is after end_dim {}", s, e);
+  Shape shape(this->shape().begin(), this->shape().begin() + s);
+  std::int64_t n = 1;
+  for (int i = s; i <= e; ++i) n *= this->shape()[i];
+  shape.push_back(n);
+  shape.insert(shape.end(), this->shape().begin() + e + 1, this->shape().end());
+  return reshape(shape);
+}
+
+}  // namespace microbatch

@@ -1,0 +1,401 @@
+#include "core/tensor.h"
+
+#include <algorithm>
+#include <cmath>
+#include <ostream>
+#include <sstream>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+#include "core/rng.h"
+#include "kernels/device.h"
+#include "kernels/elementwise.h"
+
+namespace microbatch {
+
+// ---- shapes ------------------------------------------------------------------------------------
+
+std::int64_t shape_numel(const Shape& shape) {
+  std::int64_t n = 1;
+  for (auto s : shape) n *= s;
+  return n;
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape strides(shape.size());
+  std::int64_t s = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = s;
+    s *= std::max<std::int64_t>(shape[i], 1);
+  }
+  return strides;
+}
+
+std::string shape_str(const Shape& shape) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  if (shape.size() == 1) s += ",";
+  return s + ")";
+}
+
+int wrap_dim(std::int64_t dim, int ndim, const char* op) {
+  const int n = std::max(ndim, 1);
+  MB_CHECK(dim >= -n && dim < n, "[{}] dim {} out of range for a {}-d tensor", op, dim, ndim);
+  return static_cast<int>(dim < 0 ? dim + n : dim);
+}
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const std::size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    std::int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    MB_CHECK(da == db || da == 1 || db == 1, "[{}] shapes {} and {} cannot be broadcast", op,
+             shape_str(a), shape_str(b));
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+void check_same_device(const char* op, std::initializer_list<Tensor> tensors) {
+  const Tensor* first = nullptr;
+  for (const Tensor& t : tensors) {
+    if (!t.defined()) continue;
+    if (first == nullptr) {
+      first = &t;
+      continue;
+    }
+    MB_CHECK(t.device() == first->device(), "[{}] tensors on different devices: {} and {}", op,
+             first->device().str(), t.device().str());
+  }
+}
+
+void check_floating(const char* op, const Tensor& t) {
+  MB_CHECK(is_floating(t.dtype()), "[{}] expected a floating-point tensor, got {}", op,
+           dtype_name(t.dtype()));
+}
+
+// ---- storage -----------------------------------------------------------------------------------
+
+Storage::Storage(std::size_t bytes, Device dev) : nbytes(bytes), device(dev) {
+  data = allocator(device).allocate(bytes);
+}
+
+Storage::~Storage() { allocator(device).free(data); }
+
+// ---- tensor accessors --------------------------------------------------------------------------
+
+namespace {
+const TensorImpl& checked(const std::shared_ptr<TensorImpl>& impl) {
+  MB_CHECK(impl != nullptr, "[tensor] use of an undefined tensor");
+  return *impl;
+}
+}  // namespace
+
+const Shape& Tensor::shape() const { return checked(impl_).shape; }
+const Shape& Tensor::strides() const { return checked(impl_).strides; }
+std::int64_t Tensor::offset() const { return checked(impl_).offset; }
+int Tensor::dim() const { return static_cast<int>(shape().size()); }
+std::int64_t Tensor::numel() const { return shape_numel(shape()); }
+DType Tensor::dtype() const { return checked(impl_).dtype; }
+Device Tensor::device() const { return checked(impl_).storage->device; }
+const std::shared_ptr<Storage>& Tensor::storage() const { return checked(impl_).storage; }
+
+std::int64_t Tensor::size(std::int64_t d) const { return shape()[wrap_dim(d, dim(), "size")]; }
+
+bool Tensor::is_contiguous() const {
+  std::int64_t expected = 1;
+  for (int i = dim() - 1; i >= 0; --i) {
+    if (shape()[i] != 1 && strides()[i] != expected) return false;
+    expected *= shape()[i];
+  }
+  return true;
+}
+
+void* Tensor::raw_data() const {
+  const auto& st = storage();
+  if (st->data == nullptr || device().is_meta()) return nullptr;
+  return static_cast<char*>(st->data) + offset() * static_cast<std::int64_t>(dtype_size(dtype()));
+}
+
+kernels::StridedView Tensor::kview() const {
+  MB_CHECK(dim() <= kernels::kMaxDims, "[tensor] at most {} dims are supported, got {}",
+           kernels::kMaxDims, dim());
+  kernels::StridedView v;
+  v.data = raw_data();
+  v.dtype = dtype();
+  v.ndim = dim();
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = shape()[i];
+    v.strides[i] = strides()[i];
+  }
+  return v;
+}
+
+double Tensor::item() const {
+  MB_CHECK(numel() == 1, "[item] expected a one-element tensor, got shape {}", shape_str(shape()));
+  return to_vector()[0];
+}
+
+std::vector<double> Tensor::to_vector() const {
+  MB_CHECK(!device().is_meta(), "[to_vector] a meta tensor has no values");
+  Tensor c = to(kCPU, DType::f64).contiguous();
+  const double* p = static_cast<const double*>(c.raw_data());
+  return std::vector<double>(p, p + c.numel());
+}
+
+// ---- autograd accessors ------------------------------------------------------------------------
+
+bool Tensor::requires_grad() const { return checked(impl_).requires_grad; }
+
+Tensor& Tensor::requires_grad_(bool on) {
+  MB_CHECK(!on || is_floating(dtype()), "[requires_grad_] only floating-point tensors can require "
+           "grad, got {}", dtype_name(dtype()));
+  MB_CHECK(is_leaf() || on, "[requires_grad_] cannot turn off requires_grad of a non-leaf tensor; "
+           "use detach()");
+  impl_->requires_grad = on;
+  return *this;
+}
+
+Tensor Tensor::grad() const { return Tensor(checked(impl_).grad); }
+
+void Tensor::set_grad(const Tensor& g) const {
+  checked(impl_);
+  if (g.defined()) {
+    MB_CHECK(g.shape() == shape(), "[set_grad] grad shape {} differs from tensor shape {}",
+             shape_str(g.shape()), shape_str(shape()));
+  }
+  impl_->grad = g.impl_ptr();
+}
+
+const std::shared_ptr<Node>& Tensor::grad_fn() const { return checked(impl_).grad_fn; }
+bool Tensor::is_leaf() const { return grad_fn() == nullptr; }
+
+void Tensor::backward(const Tensor& g, BackwardOptions options) const {
+  run_backward({*this}, {g}, options);
+}
+
+Tensor Tensor::detach() const {
+  return make_strided(storage(), shape(), strides(), offset(), dtype());
+}
+
+// ---- copies ------------------------------------------------------------------------------------
+
+Tensor make_strided(std::shared_ptr<Storage> storage, const Shape& shape, const Shape& strides,
+                    std::int64_t offset, DType dtype) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->shape = shape;
+  impl->strides = strides;
+  impl->offset = offset;
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  return clone();
+}
+
+Tensor Tensor::clone() const {
+  Tensor out = empty(shape(), {.dtype = dtype(), .device = device()});
+  {
+    NoGradGuard no_grad;
+    out.copy_(*this);
+  }
+  record("clone", {*this}, out, [](const Tensor& g) { return std::vector<Tensor>{g}; });
+  return out;
+}
+
+Tensor Tensor::to(DType dt) const { return cast(*this, dt); }
+
+Tensor Tensor::to(Device dev) const { return to(dev, dtype()); }
+
+Tensor Tensor::to(Device dev, DType dt) const {
+  if (dev == device()) return cast(*this, dt);
+  Tensor out = empty(shape(), {.dtype = dt, .device = dev});
+  {
+    NoGradGuard no_grad;
+    out.copy_(*this);
+  }
+  const Device from = device();
+  const DType from_dtype = dtype();
+  record("to", {*this}, out, [from, from_dtype](const Tensor& g) {
+    return std::vector<Tensor>{g.to(from, from_dtype)};
+  });
+  return out;
+}
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  check_inplace(*this, "copy_");
+  Shape b = broadcast_shapes(shape(), src.shape(), "copy_");
+  MB_CHECK(b == shape(), "[copy_] cannot copy a tensor of shape {} into one of shape {}",
+           shape_str(src.shape()), shape_str(shape()));
+  Tensor s = src.expand(shape());
+  const Device dst_dev = device(), src_dev = src.device();
+  if (dst_dev.is_meta() || src_dev.is_meta()) {
+    MB_CHECK(dst_dev.is_meta(), "[copy_] cannot copy from meta (no data) to {}", dst_dev.str());
+  } else if (dst_dev.is_cpu() && src_dev.is_cpu()) {
+    kernels::cpu::copy(kview(), s.kview());
+  } else if (dst_dev.is_cuda() && src_dev.is_cpu()) {
+    MB_CHECK(is_contiguous(), "[copy_] a CUDA destination must be contiguous for now");
+    Tensor staged = s.to(dtype()).contiguous();
+    if (staged.same_storage(s) && !staged.is_contiguous()) staged = staged.clone();
+    kernels::cuda::memcpy_host_to_device(raw_data(), staged.raw_data(), nbytes(), dst_dev.index);
+  } else if (dst_dev.is_cpu() && src_dev.is_cuda()) {
+    MB_CHECK(s.is_contiguous() && s.dtype() == dtype() && is_contiguous(),
+             "[copy_] CUDA to CPU copies need contiguous tensors of one dtype for now");
+    kernels::cuda::memcpy_device_to_host(raw_data(), s.raw_data(), nbytes(), src_dev.index);
+  } else {
+    MB_CHECK(s.is_contiguous() && s.dtype() == dtype() && is_contiguous() &&
+                 dst_dev.index == src_dev.index,
+             "[copy_] CUDA to CUDA copies need contiguous tensors of one dtype on one device");
+    kernels::cuda::memcpy_device_to_device(raw_data(), s.raw_data(), nbytes(), dst_dev.index);
+  }
+  bump_version();
+  return *this;
+}
+
+Tensor& Tensor::zero_() { return fill_(0.0); }
+
+Tensor& Tensor::fill_(double value) {
+  check_inplace(*this, "fill_");
+  if (device().is_cuda()) {
+    MB_CHECK(value == 0.0 && is_contiguous(), "[fill_] CUDA tensors support only zero_() for now");
+    kernels::cuda::memset_zero(raw_data(), nbytes(), device().index);
+  } else {
+    launch("fill_", device(), [&] { kernels::cpu::fill(kview(), value); });
+  }
+  bump_version();
+  return *this;
+}
+
+// ---- factories ---------------------------------------------------------------------------------
+
+Tensor empty(const Shape& shape, TensorOptions options) {
+  for (auto s : shape) MB_CHECK(s >= 0, "[empty] negative size in shape {}", shape_str(shape));
+  MB_CHECK(static_cast<int>(shape.size()) <= kernels::kMaxDims,
+           "[empty] at most {} dims are supported, got {}", kernels::kMaxDims, shape.size());
+  const std::size_t bytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(options.dtype);
+  auto storage = std::make_shared<Storage>(bytes, options.device);
+  Tensor t = make_strided(std::move(storage), shape, contiguous_strides(shape), 0, options.dtype);
+  if (options.requires_grad) t.requires_grad_(true);
+  return t;
+}
+
+Tensor full(const Shape& shape, double value, TensorOptions options) {
+  const bool rg = options.requires_grad;
+  options.requires_grad = false;
+  Tensor t = empty(shape, options);
+  if (!t.device().is_meta()) t.fill_(value);
+  if (rg) t.requires_grad_(true);
+  return t;
+}
+
+Tensor zeros(const Shape& shape, TensorOptions options) { return full(shape, 0.0, options); }
+Tensor ones(const Shape& shape, TensorOptions options) { return full(shape, 1.0, options); }
+Tensor empty_like(const Tensor& like) { return empty(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
+Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
+Tensor ones_like(const Tensor& like) { return ones(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
+Tensor scalar_tensor(double value, TensorOptions options) { return full({}, value, options); }
+
+Tensor from_vector(const std::vector<double>& values, const Shape& shape, TensorOptions options) {
+  MB_CHECK(static_cast<std::int64_t>(values.size()) == shape_numel(shape),
+           "[from_vector] {} values do not fill shape {}", values.size(), shape_str(shape));
+  Tensor host = empty(shape, {.dtype = DType::f64});
+  std::copy(values.begin(), values.end(), static_cast<double*>(host.raw_data()));
+  Tensor t = host.to(options.device, options.dtype);
+  if (t.same_storage(host)) t = t.clone();
+  if (options.requires_grad) t.requires_grad_(true);
+  return t;
+}
+
+Tensor arange(double start, double end, double step, TensorOptions options) {
+  MB_CHECK(step != 0.0, "[arange] step must be nonzero");
+  const double span = (end - start) / step;
+  const std::int64_t n = span > 0 ? static_cast<std::int64_t>(std::ceil(span)) : 0;
+  std::vector<double> values(n);
+  for (std::int64_t i = 0; i < n; ++i) values[i] = start + static_cast<double>(i) * step;
+  return from_vector(values, {n}, options);
+}
+
+namespace {
+Tensor random_tensor(const Shape& shape, TensorOptions options, int values_per_block,
+                     void (*kernel)(const kernels::StridedView&, kernels::PhiloxArgs)) {
+  MB_CHECK(is_floating(options.dtype), "[rand] expected a floating dtype, got {}",
+           dtype_name(options.dtype));
+  const bool rg = options.requires_grad;
+  options.requires_grad = false;
+  Tensor t = empty(shape, options);
+  const std::uint64_t n = static_cast<std::uint64_t>(t.numel());
+  GeneratorState st = default_generator().state();
+  const std::uint64_t offset = default_generator().reserve((n + values_per_block - 1) / values_per_block);
+  kernels::PhiloxArgs args{st.seed, offset};
+  if (t.device().is_cuda()) {
+    Tensor host = empty(shape, {.dtype = options.dtype});
+    kernel(host.kview(), args);
+    t.copy_(host);
+  } else {
+    launch("rand", t.device(), [&] { kernel(t.kview(), args); });
+  }
+  if (rg) t.requires_grad_(true);
+  return t;
+}
+}  // namespace
+
+Tensor rand(const Shape& shape, TensorOptions options) {
+  return random_tensor(shape, options, 4, &kernels::cpu::rand_uniform);
+}
+
+Tensor randn(const Shape& shape, TensorOptions options) {
+  return random_tensor(shape, options, 2, &kernels::cpu::rand_normal);
+}
+
+// ---- printing ----------------------------------------------------------------------------------
+
+std::string Tensor::str() const {
+  if (!defined()) return "tensor(undefined)";
+  std::ostringstream os;
+  os << "tensor(";
+  if (device().is_meta()) {
+    os << "..., ";
+  } else {
+    std::vector<double> v = to_vector();
+    const Shape& s = shape();
+    // Nested brackets, at most 6 values per row and 6 rows per block.
+    std::function<void(int, std::int64_t)> rec = [&](int d, std::int64_t base) {
+      if (d == dim()) {
+        os << fmt::format("{:.4g}", v[base]);
+        return;
+      }
+      std::int64_t inner = 1;
+      for (int k = d + 1; k < dim(); ++k) inner *= s[k];
+      os << "[";
+      for (std::int64_t i = 0; i < s[d]; ++i) {
+        if (s[d] > 6 && i == 3) {
+          os << "..., ";
+          i = s[d] - 3;
+        }
+        rec(d + 1, base + i * inner);
+        if (i + 1 < s[d]) os << ", ";
+      }
+      os << "]";
+    };
+    if (numel() > 0 || dim() == 0) rec(0, 0); else os << "[]";
+    os << ", ";
+  }
+  os << "shape=" << shape_str(shape()) << ", dtype=" << dtype_name(dtype());
+  if (!device().is_cpu()) os << ", device=" << device().str();
+  if (grad_fn()) os << ", grad_fn=" << grad_fn()->name();
+  else if (requires_grad()) os << ", requires_grad=true";
+  os << ")";
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.str(); }
+
+}  // namespace microbatch

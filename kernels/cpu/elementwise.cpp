@@ -1,0 +1,243 @@
+// Element-wise CPU loops over strided views, with the math from kernels/elementwise_ops.h.
+// Outputs are overwritten, except accumulate (`dst += w * src`).
+#include <cmath>
+#include <cstring>
+
+#include "core/rng.h"
+#include "kernels/elementwise.h"
+#include "kernels/elementwise_ops.h"
+
+namespace microbatch::kernels::cpu {
+
+namespace {
+
+// Calls f(offsets) for every index of views[0]'s shape, offsets[k] in elements of views[k].
+template <int N, class F>
+void for_each(const StridedView* const (&views)[N], F&& f) {
+  const StridedView& v0 = *views[0];
+  const std::int64_t n = v0.numel();
+  if (n == 0) return;
+  bool contiguous = true;
+  for (int k = 0; k < N; ++k) contiguous = contiguous && views[k]->is_contiguous();
+  std::int64_t off[N];
+  if (contiguous) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (int k = 0; k < N; ++k) off[k] = i;
+      f(off);
+    }
+    return;
+  }
+  const int nd = v0.ndim;
+  if (nd == 0) {
+    for (int k = 0; k < N; ++k) off[k] = 0;
+    f(off);
+    return;
+  }
+  std::int64_t idx[kMaxDims] = {};
+  for (int k = 0; k < N; ++k) off[k] = 0;
+  const std::int64_t inner = v0.shape[nd - 1];
+  std::int64_t inner_stride[N];
+  for (int k = 0; k < N; ++k) inner_stride[k] = views[k]->strides[nd - 1];
+  for (std::int64_t outer = 0; outer < n / inner; ++outer) {
+    std::int64_t base[N];
+    for (int k = 0; k < N; ++k) base[k] = off[k];
+    for (std::int64_t j = 0; j < inner; ++j) {
+      f(off);
+      for (int k = 0; k < N; ++k) off[k] += inner_stride[k];
+    }
+    for (int k = 0; k < N; ++k) off[k] = base[k];
+    for (int d = nd - 2; d >= 0; --d) {  // advance the outer counter
+      ++idx[d];
+      for (int k = 0; k < N; ++k) off[k] += views[k]->strides[d];
+      if (idx[d] < v0.shape[d]) break;
+      for (int k = 0; k < N; ++k) off[k] -= views[k]->strides[d] * v0.shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+template <class T, class F>
+void unary_loop(const StridedView& out, const StridedView& in, F f) {
+  using C = compute_t<T>;
+  T* o = out.ptr<T>();
+  const T* x = in.ptr<T>();
+  const StridedView* views[2] = {&out, &in};
+  for_each(views, [&](const std::int64_t* off) {
+    o[off[0]] = static_cast<T>(f(static_cast<C>(x[off[1]])));
+  });
+}
+
+template <class F>
+void unary_any(const StridedView& out, const StridedView& in, F f) {
+  dispatch_all(in.dtype, [&]<class T>() { unary_loop<T>(out, in, f); });
+}
+
+template <class T, class R, class F>
+void binary_loop(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
+  using C = compute_t<T>;
+  R* o = out.ptr<R>();
+  const T* x = a.ptr<T>();
+  const T* y = b.ptr<T>();
+  const StridedView* views[3] = {&out, &a, &b};
+  for_each(views, [&](const std::int64_t* off) {
+    o[off[0]] = static_cast<R>(f(static_cast<C>(x[off[1]]), static_cast<C>(y[off[2]])));
+  });
+}
+
+template <class F>
+void binary_same(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
+  dispatch_all(a.dtype, [&]<class T>() { binary_loop<T, T>(out, a, b, f); });
+}
+
+template <class F>
+void binary_bool(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
+  dispatch_all(a.dtype, [&]<class T>() { binary_loop<T, bool>(out, a, b, f); });
+}
+
+}  // namespace
+
+void unary(UnaryOp op, const StridedView& out, const StridedView& in) {
+  switch (op) {
+    case UnaryOp::Neg: return unary_any(out, in, ops::Neg{});
+    case UnaryOp::Exp: return unary_any(out, in, ops::Exp{});
+    case UnaryOp::Log: return unary_any(out, in, ops::Log{});
+    case UnaryOp::Sqrt: return unary_any(out, in, ops::Sqrt{});
+    case UnaryOp::Rsqrt: return unary_any(out, in, ops::Rsqrt{});
+    case UnaryOp::Abs: return unary_any(out, in, ops::Abs{});
+    case UnaryOp::Tanh: return unary_any(out, in, ops::Tanh{});
+    case UnaryOp::Sigmoid: return unary_any(out, in, ops::Sigmoid{});
+    case UnaryOp::Relu: return unary_any(out, in, ops::Relu{});
+    case UnaryOp::GeluErf: return unary_any(out, in, ops::GeluErf{});
+    case UnaryOp::GeluTanh: return unary_any(out, in, ops::GeluTanh{});
+    case UnaryOp::Silu: return unary_any(out, in, ops::Silu{});
+  }
+}
+
+void binary(BinaryOp op, const StridedView& out, const StridedView& a, const StridedView& b) {
+  switch (op) {
+    case BinaryOp::Add: return binary_same(out, a, b, ops::Add{});
+    case BinaryOp::Sub: return binary_same(out, a, b, ops::Sub{});
+    case BinaryOp::Mul: return binary_same(out, a, b, ops::Mul{});
+    case BinaryOp::Div: return binary_same(out, a, b, ops::Div{});
+    case BinaryOp::Pow: return binary_same(out, a, b, ops::Pow{});
+    case BinaryOp::Maximum: return binary_same(out, a, b, ops::Maximum{});
+    case BinaryOp::Minimum: return binary_same(out, a, b, ops::Minimum{});
+    case BinaryOp::Eq: return binary_bool(out, a, b, ops::Eq{});
+    case BinaryOp::Ne: return binary_bool(out, a, b, ops::Ne{});
+    case BinaryOp::Lt: return binary_bool(out, a, b, ops::Lt{});
+    case BinaryOp::Le: return binary_bool(out, a, b, ops::Le{});
+    case BinaryOp::Gt: return binary_bool(out, a, b, ops::Gt{});
+    case BinaryOp::Ge: return binary_bool(out, a, b, ops::Ge{});
+    case BinaryOp::ReluBackward: return binary_same(out, a, b, ops::ReluBackward{});
+    case BinaryOp::GeluErfBackward: return binary_same(out, a, b, ops::GeluErfBackward{});
+    case BinaryOp::GeluTanhBackward: return binary_same(out, a, b, ops::GeluTanhBackward{});
+    case BinaryOp::SiluBackward: return binary_same(out, a, b, ops::SiluBackward{});
+    case BinaryOp::SigmoidBackward: return binary_same(out, a, b, ops::SigmoidBackward{});
+    case BinaryOp::TanhBackward: return binary_same(out, a, b, ops::TanhBackward{});
+  }
+}
+
+void where(const StridedView& out, const StridedView& cond, const StridedView& a,
+           const StridedView& b) {
+  dispatch_all(a.dtype, [&]<class T>() {
+    T* o = out.ptr<T>();
+    const bool* c = cond.ptr<bool>();
+    const T* x = a.ptr<T>();
+    const T* y = b.ptr<T>();
+    const StridedView* views[4] = {&out, &cond, &a, &b};
+    for_each(views, [&](const std::int64_t* off) { o[off[0]] = c[off[1]] ? x[off[2]] : y[off[3]]; });
+  });
+}
+
+void copy(const StridedView& out, const StridedView& in) {
+  if (out.dtype == in.dtype && out.is_contiguous() && in.is_contiguous()) {
+    std::memcpy(out.data, in.data, static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype));
+    return;
+  }
+  dispatch_all(out.dtype, [&]<class O>() {
+    dispatch_all(in.dtype, [&]<class I>() {
+      O* o = out.ptr<O>();
+      const I* x = in.ptr<I>();
+      const StridedView* views[2] = {&out, &in};
+      for_each(views, [&](const std::int64_t* off) {
+        if constexpr (std::is_same_v<O, bool>) {
+          o[off[0]] = static_cast<double>(x[off[1]]) != 0.0;
+        } else {
+          o[off[0]] = static_cast<O>(static_cast<compute_t<O>>(static_cast<compute_t<I>>(x[off[1]])));
+        }
+      });
+    });
+  });
+}
+
+void fill(const StridedView& out, double value) {
+  dispatch_all(out.dtype, [&]<class T>() {
+    T* o = out.ptr<T>();
+    const T v = static_cast<T>(static_cast<compute_t<T>>(value));
+    const StridedView* views[1] = {&out};
+    for_each(views, [&](const std::int64_t* off) { o[off[0]] = v; });
+  });
+}
+
+void accumulate(const StridedView& dst, const StridedView& src, double weight) {
+  dispatch_float(dst.dtype, "accumulate", [&]<class D>() {
+    dispatch_float(src.dtype, "accumulate", [&]<class S>() {
+      using C = compute_t<D>;
+      D* d = dst.ptr<D>();
+      const S* s = src.ptr<S>();
+      const C w = static_cast<C>(weight);
+      const StridedView* views[2] = {&dst, &src};
+      if (weight == 1.0) {
+        for_each(views, [&](const std::int64_t* off) {
+          d[off[0]] = static_cast<D>(static_cast<C>(d[off[0]]) + static_cast<C>(static_cast<compute_t<S>>(s[off[1]])));
+        });
+      } else {
+        for_each(views, [&](const std::int64_t* off) {
+          d[off[0]] = static_cast<D>(static_cast<C>(d[off[0]]) + w * static_cast<C>(static_cast<compute_t<S>>(s[off[1]])));
+        });
+      }
+    });
+  });
+}
+
+namespace {
+template <class F>
+void fill_indexed(const StridedView& out, F f) {
+  dispatch_float(out.dtype, "rand", [&]<class T>() {
+    T* o = out.ptr<T>();
+    std::int64_t i = 0;
+    const StridedView* views[1] = {&out};
+    for_each(views, [&](const std::int64_t* off) {
+      o[off[0]] = static_cast<T>(static_cast<compute_t<T>>(f(i)));
+      ++i;
+    });
+  });
+}
+}  // namespace
+
+void rand_uniform(const StridedView& out, PhiloxArgs philox) {
+  fill_indexed(out, [&](std::int64_t i) {
+    PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 4), philox.seed);
+    return uniform_from_bits(b.v[i % 4]);
+  });
+}
+
+void rand_normal(const StridedView& out, PhiloxArgs philox) {
+  fill_indexed(out, [&](std::int64_t i) {
+    PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 2), philox.seed);
+    int lane = 2 * static_cast<int>(i % 2);
+    float u1 = uniform_open0_from_bits(b.v[lane]);
+    float u2 = uniform_from_bits(b.v[lane + 1]);
+    return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853071795864f * u2);
+  });
+}
+
+void dropout_mask(const StridedView& out, PhiloxArgs philox, double p) {
+  const double scale = 1.0 / (1.0 - p);
+  fill_indexed(out, [&](std::int64_t i) {
+    PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 4), philox.seed);
+    return static_cast<double>(uniform_from_bits(b.v[i % 4])) >= p ? scale : 0.0;
+  });
+}
+
+}  // namespace microbatch::kernels::cpu

@@ -1,0 +1,44 @@
+// Row reductions on contiguous input. Sums accumulate in f64 so that results do not depend on how
+// a batch was split (Note [Exact accumulation] relies on sums being this accurate).
+#include <cmath>
+
+#include "kernels/reduce.h"
+
+namespace microbatch::kernels::cpu {
+
+void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner) {
+  const std::int64_t outer = inner == 0 ? out.numel() : in.numel() / inner;
+  dispatch_all(in.dtype, [&]<class T>() {
+    using C = compute_t<T>;
+    const T* x = in.ptr<T>();
+    for (std::int64_t i = 0; i < outer; ++i) {
+      const T* row = x + i * inner;
+      switch (op) {
+        case ReduceOp::Sum: {
+          double acc = 0.0;
+          for (std::int64_t j = 0; j < inner; ++j) acc += static_cast<double>(static_cast<C>(row[j]));
+          out.ptr<T>()[i] = static_cast<T>(static_cast<C>(acc));
+          break;
+        }
+        case ReduceOp::Max:
+        case ReduceOp::ArgMax: {
+          std::int64_t best = 0;
+          C best_value = inner > 0 ? static_cast<C>(row[0]) : C(0);
+          for (std::int64_t j = 1; j < inner; ++j) {
+            const C v = static_cast<C>(row[j]);
+            if (best_value != best_value) break;  // NaN wins and stays
+            if (v > best_value || v != v) {
+              best_value = v;
+              best = j;
+            }
+          }
+          if (op == ReduceOp::Max) out.ptr<T>()[i] = static_cast<T>(best_value);
+          else out.ptr<std::int64_t>()[i] = best;
+          break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace microbatch::kernels::cpu

@@ -1,0 +1,51 @@
+// The shared op harness: gradcheck in f64, reference comparisons, layout variants, and the
+// CUDA skip that keeps GPU cases visible where no device is present.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/tensor.h"
+
+namespace microbatch::testing {
+
+using OpFn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+struct GradcheckOptions {
+  double eps = 1e-6;
+  double atol = 1e-5;
+  double rtol = 1e-3;
+};
+
+/// Compares the analytic gradient of sum(f(inputs) * r) (r fixed random) with central differences,
+/// for every floating input that requires grad. Inputs should be f64. Fails the current test
+/// with the op name, input index and element on a mismatch.
+void gradcheck(const std::string& name, const OpFn& f, const std::vector<Tensor>& inputs,
+               GradcheckOptions options = {});
+
+/// The same values as t (a leaf requiring grad if t does) in a non-contiguous layout.
+Tensor non_contiguous(const Tensor& t);
+
+/// Deterministic f64 values in [lo, hi) with the given shape (requires grad).
+Tensor input(const Shape& shape, double lo = -1.0, double hi = 1.0, std::uint64_t seed = 1);
+
+/// Checks |actual - expected| <= atol + rtol * |expected| everywhere.
+void check_close(const Tensor& actual, const std::vector<double>& expected, double rtol, double atol,
+                 const std::string& what = "");
+void check_close(const Tensor& actual, const Tensor& expected, double rtol, double atol,
+                 const std::string& what = "");
+
+/// Runs `body` expecting microbatch::Error whose message contains `needle`.
+void check_throws_with(const std::function<void()>& body, const std::string& needle);
+
+bool has_cuda();
+
+}  // namespace microbatch::testing
+
+/// A test case that needs a CUDA device; doctest counts it as skipped where there is none.
+#define MB_CUDA_TEST_CASE(name) \
+  TEST_CASE(name * doctest::skip(!::microbatch::testing::has_cuda()) * doctest::description("cuda"))
