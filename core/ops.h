@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/rng.h"
 #include "core/tensor.h"
 
 namespace microbatch {
