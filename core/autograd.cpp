@@ -13,6 +13,8 @@ namespace microbatch {
 namespace {
 thread_local bool t_grad_mode = true;
 thread_local double t_grad_weight = 1.0;
+// The leaves whose gradients the innermost grad() call on this thread captures (null: none).
+thread_local const std::unordered_set<TensorImpl*>* t_captured = nullptr;
 std::atomic<std::uint64_t> g_sequence{0};
 }  // namespace
 
@@ -34,12 +36,12 @@ Node::Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int nu
       num_outputs_(num_outputs),
       sequence_nr_(g_sequence.fetch_add(1)) {}
 
-std::vector<Tensor> Node::apply(const std::vector<Tensor>& grad_outputs) {
+std::vector<Tensor> Node::apply(std::vector<Tensor> grad_outputs) {
   MB_CHECK(fn_ != nullptr,
            "[backward] trying to backward through {} a second time: its saved tensors were freed "
            "after the first backward. Pass BackwardOptions{{.retain_graph = true}} the first time.",
            name_);
-  std::vector<Tensor> grads = fn_(grad_outputs);
+  std::vector<Tensor> grads = fn_(std::move(grad_outputs));
   MB_ASSERT(grads.size() == next_edges_.size(), "{} returned {} gradients for {} inputs", name_,
             grads.size(), next_edges_.size());
   return grads;
@@ -50,7 +52,7 @@ void Node::release() { fn_ = nullptr; }
 AccumulateGrad::AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf)
     : Node("AccumulateGrad", {}, nullptr, 1), leaf_(leaf) {}
 
-std::vector<Tensor> AccumulateGrad::apply(const std::vector<Tensor>& grad_outputs) {
+std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor> grad_outputs) {
   auto leaf_impl = leaf_.lock();
   const Tensor& g = grad_outputs[0];
   if (!leaf_impl || !g.defined()) return {};
@@ -134,6 +136,11 @@ void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
                });
 }
 
+bool accumulates_in_place(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad() || !t.is_leaf() || !t.grad().defined()) return false;
+  return t_captured == nullptr || t_captured->count(t.impl()) == 0;
+}
+
 void check_inplace(const Tensor& t, const char* op) {
   MB_CHECK(!(grad_mode_enabled() && t.requires_grad()),
            "[{}] in-place change of a tensor that requires grad; do it under NoGradGuard or on a "
@@ -158,7 +165,7 @@ void add_into(Tensor& slot, const Tensor& g) {
 
 // Runs the graph below roots. When `capture` is given, the gradients reaching those leaves' sinks
 // are stored in `captured` instead of being accumulated.
-void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
              BackwardOptions options, const std::vector<Tensor>* capture,
              std::vector<Tensor>* captured) {
   MB_CHECK(roots.size() == grad_roots.size(), "[backward] {} roots but {} root gradients",
@@ -186,6 +193,10 @@ void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_r
     buf.resize(e.fn->num_outputs());
     add_into(buf[e.input_nr], g);
   }
+  // From here on the buffers and the graph hold what is needed; dropping our handles lets the
+  // roots and their gradients die as soon as the nodes that use them have run.
+  roots.clear();
+  grad_roots.clear();
 
   // Count, for every node reachable from the roots, how many edges lead into it.
   std::unordered_map<Node*, int> dependencies;
@@ -205,9 +216,19 @@ void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_r
   }
 
   std::unordered_map<TensorImpl*, std::size_t> capture_index;
+  std::unordered_set<TensorImpl*> capture_set;
+  const std::unordered_set<TensorImpl*>* outer_capture = t_captured;
+  struct RestoreCapture {
+    const std::unordered_set<TensorImpl*>* previous;
+    ~RestoreCapture() { t_captured = previous; }
+  } restore{outer_capture};
   if (capture) {
-    for (std::size_t i = 0; i < capture->size(); ++i) capture_index[(*capture)[i].impl()] = i;
+    for (std::size_t i = 0; i < capture->size(); ++i) {
+      capture_index[(*capture)[i].impl()] = i;
+      capture_set.insert((*capture)[i].impl());
+    }
     captured->assign(capture->size(), Tensor());
+    t_captured = &capture_set;
   }
 
   std::priority_queue<Node*, std::vector<Node*>, NodeOrder> ready;
@@ -236,8 +257,7 @@ void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_r
         }
       }
     }
-    std::vector<Tensor> input_grads = node->apply(grads);
-    grads.clear();
+    std::vector<Tensor> input_grads = node->apply(std::move(grads));
     if (!options.retain_graph) node->release();
 
     const auto& edges = node->next_edges();
@@ -256,19 +276,19 @@ void execute(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_r
 
 }  // namespace
 
-void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+void run_backward(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                   BackwardOptions options) {
-  execute(roots, grad_roots, options, nullptr, nullptr);
+  execute(std::move(roots), std::move(grad_roots), options, nullptr, nullptr);
 }
 
-std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+std::vector<Tensor> grad(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                          const std::vector<Tensor>& inputs, BackwardOptions options) {
   for (const Tensor& t : inputs) {
     MB_CHECK(t.defined() && t.requires_grad() && t.is_leaf(),
              "[grad] inputs must be leaf tensors that require grad");
   }
   std::vector<Tensor> captured;
-  execute(roots, grad_roots, options, &inputs, &captured);
+  execute(std::move(roots), std::move(grad_roots), options, &inputs, &captured);
   return captured;
 }
 

@@ -7,6 +7,9 @@
 //
 // Note [Releasing saved tensors]: once a node has run, its backward closure (and with it every
 // tensor it saved) is destroyed unless retain_graph is set, so activations die during backward.
+// The engine keeps no other handle: the roots and their gradients are dropped once the graph is
+// seeded, and a node's incoming gradients are handed over by value, so a node that runs a long
+// inner backward (checkpoint) can let them go first.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +23,8 @@
 namespace microbatch {
 
 /// Maps the gradients of a node's outputs to the gradients of its inputs (undefined = none).
-using BackwardFn = std::function<std::vector<Tensor>(const std::vector<Tensor>& grad_outputs)>;
+/// Takes them by value: they belong to the node while it runs (Note [Releasing saved tensors]).
+using BackwardFn = std::function<std::vector<Tensor>(std::vector<Tensor> grad_outputs)>;
 
 struct Edge {
   std::shared_ptr<Node> fn;
@@ -33,7 +37,7 @@ class Node {
   virtual ~Node() = default;
 
   /// Gradients for next_edges(), one per edge.
-  virtual std::vector<Tensor> apply(const std::vector<Tensor>& grad_outputs);
+  virtual std::vector<Tensor> apply(std::vector<Tensor> grad_outputs);
   /// Drops the backward closure and everything it saved.
   virtual void release();
   const std::string& name() const { return name_; }
@@ -53,7 +57,7 @@ class Node {
 class AccumulateGrad final : public Node {
  public:
   explicit AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf);
-  std::vector<Tensor> apply(const std::vector<Tensor>& grad_outputs) override;
+  std::vector<Tensor> apply(std::vector<Tensor> grad_outputs) override;
   void release() override {}
   std::shared_ptr<TensorImpl> leaf() const { return leaf_.lock(); }
 
@@ -66,6 +70,10 @@ class SavedTensor {
  public:
   SavedTensor() = default;
   SavedTensor(const Tensor& t, const char* op);
+  /// Saves an op's own output. It keeps a handle without the output's history: holding the
+  /// output itself would make a cycle (output -> node -> saved output) that leaks the graph
+  /// whenever backward never runs.
+  static SavedTensor output(const Tensor& out, const char* op) { return SavedTensor(out.detach(), op); }
   /// The saved tensor; throws if its version changed since it was saved.
   Tensor get() const;
 
@@ -127,6 +135,12 @@ void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
 void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs,
                   BackwardFn backward);
 
+/// Whether a backward formula may add its gradient for `t` straight into t.grad (`grad += w * g`
+/// with w = grad_weight(), Note [Gradient writes]) and return no gradient for it: t is a leaf that
+/// requires grad, already has a gradient buffer, and is not being captured by a grad() call.
+/// The weight-gradient GEMM of linear uses this to write into the gradient arena directly.
+bool accumulates_in_place(const Tensor& t);
+
 /// The edge along which a gradient for t flows (its grad_fn, or its leaf's AccumulateGrad).
 Edge gradient_edge(const Tensor& t);
 
@@ -135,12 +149,12 @@ void check_inplace(const Tensor& t, const char* op);
 
 // ---- running backward --------------------------------------------------------------------------
 /// Backpropagates grad_roots from roots, accumulating into leaves (Tensor::backward).
-void run_backward(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+void run_backward(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                   BackwardOptions options = {});
 
 /// Gradients of roots with respect to `inputs` (leaves), returned instead of accumulated;
 /// other leaves reached still accumulate. Undefined where an input is not reached.
-std::vector<Tensor> grad(const std::vector<Tensor>& roots, const std::vector<Tensor>& grad_roots,
+std::vector<Tensor> grad(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                          const std::vector<Tensor>& inputs, BackwardOptions options = {});
 
 // ---- activation checkpointing (core/checkpoint.cpp) --------------------------------------------

@@ -24,7 +24,7 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
     saved.emplace_back(t, "checkpoint");
     edges.push_back(gradient_edge(t));
   }
-  auto backward = [fn, saved = std::move(saved), rng](const std::vector<Tensor>& grads) {
+  auto backward = [fn, saved = std::move(saved), rng](std::vector<Tensor> grads) {
     std::vector<Tensor> detached;
     std::vector<Tensor> wanted;  // the detached inputs whose gradient is asked for
     for (const SavedTensor& s : saved) {
@@ -44,16 +44,20 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
       recomputed = fn(detached);
       default_generator().set_state(now);
     }
+    // Moved, not copied: held here, the recomputed outputs and their incoming gradients would
+    // outlive the inner nodes that use them and raise the peak above the plain backward's.
     std::vector<Tensor> roots, root_grads;
     for (std::size_t i = 0; i < recomputed.size() && i < grads.size(); ++i) {
       if (grads[i].defined() && recomputed[i].requires_grad()) {
-        roots.push_back(recomputed[i]);
-        root_grads.push_back(grads[i]);
+        roots.push_back(std::move(recomputed[i]));
+        root_grads.push_back(std::move(grads[i]));
       }
     }
+    recomputed.clear();
+    grads.clear();
     std::vector<Tensor> result(detached.size());
     if (roots.empty()) return result;
-    std::vector<Tensor> got = grad(roots, root_grads, wanted);
+    std::vector<Tensor> got = grad(std::move(roots), std::move(root_grads), wanted);
     std::size_t k = 0;
     for (std::size_t i = 0; i < detached.size(); ++i) {
       if (detached[i].defined() && detached[i].requires_grad()) result[i] = got[k++];

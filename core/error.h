@@ -5,8 +5,13 @@
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
+#if defined(__CUDACC__)
+#include <sstream>
+#else
 #include <fmt/format.h>
+#endif
 
 namespace microbatch {
 
@@ -28,21 +33,49 @@ class OutOfMemoryError : public Error {
 };
 
 namespace detail {
+#if defined(__CUDACC__)
+// nvcc cannot compile fmt's headers in C++20 mode, so CUDA sources format messages with this
+// minimal substitute: each "{...}" is replaced by the next argument, streamed.
+inline void format_into(std::ostringstream& os, std::string_view f) { os << f; }
+template <class First, class... Rest>
+void format_into(std::ostringstream& os, std::string_view f, const First& first, const Rest&... rest) {
+  const auto open = f.find('{');
+  const auto close = open == std::string_view::npos ? open : f.find('}', open);
+  if (close == std::string_view::npos) {
+    os << f;
+    return;
+  }
+  os << f.substr(0, open) << first;
+  format_into(os, f.substr(close + 1), rest...);
+}
+template <class... Args>
+std::string format_runtime(std::string_view f, const Args&... args) {
+  std::ostringstream os;
+  format_into(os, f, args...);
+  return os.str();
+}
+#endif
 [[noreturn]] void throw_error(const std::string& msg);
 [[noreturn]] void throw_assert(const char* cond, const char* file, int line, const std::string& msg);
 }  // namespace detail
 
 }  // namespace microbatch
 
+#if defined(__CUDACC__)
+#define MB_FORMAT(...) ::microbatch::detail::format_runtime(__VA_ARGS__)
+#else
+#define MB_FORMAT(...) fmt::format(__VA_ARGS__)
+#endif
+
 /// Throws microbatch::Error with a fmt-formatted message when cond is false.
 #define MB_CHECK(cond, ...)                                                  \
   do {                                                                       \
-    if (!(cond)) ::microbatch::detail::throw_error(fmt::format(__VA_ARGS__)); \
+    if (!(cond)) ::microbatch::detail::throw_error(MB_FORMAT(__VA_ARGS__));   \
   } while (0)
 
 /// Throws on a broken internal invariant (a bug in microbatch, not the caller's mistake).
 #define MB_ASSERT(cond, ...)                                                              \
   do {                                                                                    \
     if (!(cond))                                                                          \
-      ::microbatch::detail::throw_assert(#cond, __FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+      ::microbatch::detail::throw_assert(#cond, __FILE__, __LINE__, MB_FORMAT(__VA_ARGS__)); \
   } while (0)

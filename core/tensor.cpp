@@ -217,6 +217,8 @@ Tensor Tensor::to(Device dev) const { return to(dev, dtype()); }
 
 Tensor Tensor::to(Device dev, DType dt) const {
   if (dev == device()) return cast(*this, dt);
+  // Device-to-host copies move raw bytes: copy first, then convert on the host.
+  if (device().is_cuda() && dev.is_cpu() && dt != dtype()) return to(dev).to(dt);
   Tensor out = empty(shape(), {.dtype = dt, .device = dev});
   {
     NoGradGuard no_grad;

@@ -11,7 +11,8 @@ namespace microbatch::kernels {
 enum class ReduceOp { Sum, Max, ArgMax };
 
 namespace cpu {
-/// out[i] = op(in[i * inner : (i + 1) * inner]); in and out contiguous. Sum accumulates in f64;
+/// out[i] = op(in[i * inner : (i + 1) * inner]); in and out contiguous. Sum accumulates in f64
+/// (integer and bool input: exactly, into an i64 output);
 /// ArgMax writes i64 (first maximal index; NaN counts as maximal, as torch.argmax).
 void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner);
 }  // namespace cpu

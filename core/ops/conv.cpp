@@ -1,1 +1,214 @@
-// Filled in by the conv op family.
+// conv2d (im2col + GEMM, one image at a time) and max_pool2d, each with its backward below.
+// Backward writes fresh tensors (activation and parameter gradients alike are overwritten here;
+// the engine accumulates into leaves). 16-bit inputs are widened to f32 for the math and the
+// result is rounded once, as matmul does.
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+#include "kernels/conv.h"
+#include "kernels/elementwise.h"
+#include "kernels/gemm.h"
+
+namespace microbatch {
+
+using kernels::StridedView;
+using kernels::Window2d;
+
+namespace {
+
+DType math_dtype(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
+
+// Item n of a view's leading dim, with that dim removed: (N, ...) -> (...).
+StridedView drop_first(StridedView v, std::int64_t n) {
+  v.data = static_cast<char*>(v.data) + n * v.strides[0] * static_cast<std::int64_t>(dtype_size(v.dtype));
+  for (int i = 1; i < v.ndim; ++i) v.shape[i - 1] = v.shape[i], v.strides[i - 1] = v.strides[i];
+  --v.ndim;
+  return v;
+}
+
+// Item n of a view's leading dim, kept as a dim of size 1: (N, R, C) -> (1, R, C), as gemm takes.
+StridedView keep_one(StridedView v, std::int64_t n) {
+  v.data = static_cast<char*>(v.data) + n * v.strides[0] * static_cast<std::int64_t>(dtype_size(v.dtype));
+  v.shape[0] = 1;
+  return v;
+}
+
+// (B, R, C) -> (B, C, R) without moving data.
+StridedView transposed(StridedView v) {
+  std::swap(v.shape[1], v.shape[2]);
+  std::swap(v.strides[1], v.strides[2]);
+  return v;
+}
+
+// (B, R, C) -> (R, C) for a batch of one.
+StridedView matrix(const StridedView& v) { return drop_first(v, 0); }
+
+// The geometry of a window sweep over x (N, C, H, W); `op` names the caller in errors.
+Window2d plan_window(const char* op, const Tensor& x, std::int64_t kernel_h, std::int64_t kernel_w,
+                     std::int64_t stride, std::int64_t padding) {
+  MB_CHECK(x.dim() == 4, "[{}] input must be (N, C, H, W), got shape {}", op, shape_str(x.shape()));
+  MB_CHECK(stride > 0, "[{}] stride must be positive, got {}", op, stride);
+  MB_CHECK(padding >= 0, "[{}] padding must be non-negative, got {}", op, padding);
+  Window2d w;
+  w.channels = x.shape()[1];
+  w.height = x.shape()[2];
+  w.width = x.shape()[3];
+  w.kernel_h = kernel_h;
+  w.kernel_w = kernel_w;
+  w.stride = stride;
+  w.padding = padding;
+  const std::int64_t padded_h = w.height + 2 * padding, padded_w = w.width + 2 * padding;
+  MB_CHECK(kernel_h <= padded_h && kernel_w <= padded_w,
+           "[{}] kernel ({}, {}) is larger than the padded input ({}, {}) (input {}, padding {})", op,
+           kernel_h, kernel_w, padded_h, padded_w, shape_str(x.shape()), padding);
+  w.out_h = (padded_h - kernel_h) / stride + 1;
+  w.out_w = (padded_w - kernel_w) / stride + 1;
+  return w;
+}
+
+// dweight (O, C, kH, kW) = sum over images of dy_n (O, L) @ col_n^T (L, C*kH*kW); the columns are
+// recomputed from x rather than saved, so the forward keeps only x alive.
+Tensor conv2d_dweight(const Tensor& dy, const Tensor& x, const Window2d& w, const Shape& weight_shape,
+                      DType dtype) {
+  const DType math = dy.dtype();
+  const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
+  Tensor dweight = zeros({1, weight_shape[0], rows}, {.dtype = math, .device = x.device()});  // (1, O, Ckk)
+  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
+  launch("conv2d", x.device(), [&] {
+    const StridedView xv = x.kview(), gv = dy.kview(), cv = col.kview(), dwv = dweight.kview();
+    for (std::int64_t n = 0; n < batch; ++n) {
+      kernels::cpu::im2col(drop_first(xv, n), matrix(cv), w);
+      kernels::cpu::gemm(keep_one(gv, n), transposed(cv), dwv, 1.0, 1.0);
+    }
+  });
+  Tensor out = dweight.view(weight_shape);
+  return out.dtype() == dtype ? out : out.to(dtype);
+}
+
+// dx (N, C, H, W): dcol_n = weight^T (CkHkW, O) @ dy_n (O, L), folded back by col2im.
+Tensor conv2d_dx(const Tensor& dy, const Tensor& weight, const Window2d& w, const Shape& x_shape,
+                 DType dtype) {
+  const DType math = dy.dtype();
+  const std::int64_t batch = x_shape[0], rows = w.col_rows(), cols = w.col_cols();
+  Tensor wm = weight.to(math).contiguous().view({1, weight.shape()[0], rows});  // (1, O, CkHkW)
+  Tensor dcol = empty({1, rows, cols}, {.dtype = math, .device = dy.device()});  // (1, CkHkW, H'W')
+  Tensor dx = empty(x_shape, {.dtype = dtype, .device = dy.device()});
+  // 16-bit: each image's gradient is summed in an f32 plane, then rounded once into dx.
+  Tensor image = math == dtype ? Tensor() : empty({x_shape[1], x_shape[2], x_shape[3]},
+                                                 {.dtype = math, .device = dy.device()});
+  launch("conv2d", dy.device(), [&] {
+    const StridedView gv = dy.kview(), dv = dcol.kview(), xv = dx.kview();
+    for (std::int64_t n = 0; n < batch; ++n) {
+      kernels::cpu::gemm(transposed(wm.kview()), keep_one(gv, n), dv, 1.0, 0.0);
+      const StridedView target = image.defined() ? image.kview() : drop_first(xv, n);
+      kernels::cpu::fill(target, 0.0);
+      kernels::cpu::col2im(matrix(dv), target, w);
+      if (image.defined()) kernels::cpu::copy(drop_first(xv, n), target);
+    }
+  });
+  return dx;
+}
+
+}  // namespace
+
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Conv2dOptions options) {
+  check_same_device("conv2d", {x, weight});
+  check_floating("conv2d", x);
+  MB_CHECK(weight.dim() == 4, "[conv2d] weight must be (O, C, kH, kW), got shape {}",
+           shape_str(weight.shape()));
+  MB_CHECK(x.dtype() == weight.dtype(), "[conv2d] input is {} but weight is {}", dtype_name(x.dtype()),
+           dtype_name(weight.dtype()));
+  MB_CHECK(x.dim() != 4 || x.shape()[1] == weight.shape()[1],
+           "[conv2d] input {} has {} channels but weight {} expects {}", shape_str(x.shape()),
+           x.shape()[1], shape_str(weight.shape()), weight.shape()[1]);
+  const std::int64_t channels_out = weight.shape()[0];
+  if (bias.defined()) {
+    check_same_device("conv2d", {x, bias});
+    MB_CHECK(bias.dim() == 1 && bias.shape()[0] == channels_out,
+             "[conv2d] bias must be ({},) for weight {}, got {}", channels_out,
+             shape_str(weight.shape()), shape_str(bias.shape()));
+    MB_CHECK(bias.dtype() == x.dtype(), "[conv2d] input is {} but bias is {}", dtype_name(x.dtype()),
+             dtype_name(bias.dtype()));
+  }
+  const Window2d w = plan_window("conv2d", x, weight.shape()[2], weight.shape()[3], options.stride,
+                                 options.padding);
+  const DType dtype = x.dtype(), math = math_dtype(dtype);
+  const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
+
+  Tensor out = empty({batch, channels_out, w.out_h, w.out_w}, {.dtype = dtype, .device = x.device()});
+  Tensor wm, bm;  // weight (1, O, CkHkW) and bias (O) in the math dtype
+  {
+    NoGradGuard no_grad;
+    wm = weight.to(math).contiguous().view({1, channels_out, rows});
+    if (bias.defined()) bm = bias.to(math);
+  }
+  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
+  // 16-bit: each image is computed in f32 and rounded once into out.
+  Tensor acc = math == dtype ? Tensor() : empty({1, channels_out, cols}, {.dtype = math, .device = x.device()});
+  launch("conv2d", x.device(), [&] {
+    const StridedView xv = x.kview(), cv = col.kview();
+    StridedView ov = out.kview();
+    ov.ndim = 3, ov.shape[2] = cols, ov.strides[1] = cols, ov.strides[2] = 1;  // (N, O, H'W')
+    StridedView bias_rows;  // (1, O, H'W'), bias broadcast along each row
+    if (bm.defined()) {
+      bias_rows = bm.kview();
+      bias_rows.ndim = 3;
+      bias_rows.shape[0] = 1, bias_rows.shape[1] = channels_out, bias_rows.shape[2] = cols;
+      bias_rows.strides[0] = 0, bias_rows.strides[1] = bm.strides()[0], bias_rows.strides[2] = 0;
+    }
+    for (std::int64_t n = 0; n < batch; ++n) {
+      kernels::cpu::im2col(drop_first(xv, n), matrix(cv), w);
+      const StridedView target = acc.defined() ? acc.kview() : keep_one(ov, n);
+      // With a bias, the GEMM adds onto rows pre-filled with it (beta = 1): no extra pass.
+      if (bm.defined()) kernels::cpu::copy(target, bias_rows);
+      kernels::cpu::gemm(wm.kview(), cv, target, 1.0, bm.defined() ? 1.0 : 0.0);
+      if (acc.defined()) kernels::cpu::copy(keep_one(ov, n), target);
+    }
+  });
+
+  record("conv2d", {x, weight, bias}, out,
+         // dweight needs x and dx needs the weight: each is kept only when its partner is wanted.
+         [sx = weight.requires_grad() ? SavedTensor(x, "conv2d") : SavedTensor(),
+          sw = x.requires_grad() ? SavedTensor(weight, "conv2d") : SavedTensor(), w, math,
+          x_shape = x.shape(), weight_shape = weight.shape(), rx = x.requires_grad(),
+          rw = weight.requires_grad(), rb = bias.defined() && bias.requires_grad()](const Tensor& g) {
+           const Tensor dy = g.to(math).contiguous().view({x_shape[0], weight_shape[0], w.col_cols()});
+           Tensor dx, dweight, dbias;
+           if (rx) dx = conv2d_dx(dy, sw.get(), w, x_shape, g.dtype());
+           if (rw) dweight = conv2d_dweight(dy, sx.get(), w, weight_shape, g.dtype());
+           if (rb) dbias = sum(g, {0, 2, 3});
+           return std::vector<Tensor>{dx, dweight, dbias};
+         });
+  return out;
+}
+
+Tensor max_pool2d(const Tensor& x, MaxPool2dOptions options) {
+  check_floating("max_pool2d", x);
+  const std::int64_t k = options.kernel_size;
+  MB_CHECK(k > 0, "[max_pool2d] kernel_size must be positive, got {}", k);
+  MB_CHECK(options.stride >= 0, "[max_pool2d] stride must be positive (or 0 for kernel_size), got {}",
+           options.stride);
+  // As torch: more padding would allow windows that see only padding (and no argmax).
+  MB_CHECK(options.padding <= k / 2, "[max_pool2d] padding {} is more than half the kernel size {}",
+           options.padding, k);
+  const Window2d w = plan_window("max_pool2d", x, k, k, options.stride == 0 ? k : options.stride,
+                                 options.padding);
+  const Shape out_shape{x.shape()[0], w.channels, w.out_h, w.out_w};
+  Tensor out = empty(out_shape, {.dtype = x.dtype(), .device = x.device()});
+  Tensor indices = empty(out_shape, {.dtype = DType::i64, .device = x.device()});  // h * W + w
+  launch("max_pool2d", x.device(),
+         [&] { kernels::cpu::max_pool2d(x.kview(), out.kview(), indices.kview(), w); });
+
+  // The backward needs only where each maximum was, not x.
+  record("max_pool2d", {x}, out, [indices, w, x_shape = x.shape()](const Tensor& g) {
+    const DType math = math_dtype(g.dtype());
+    const Tensor dy = g.to(math);
+    Tensor dx = zeros(x_shape, {.dtype = math, .device = g.device()});
+    launch("max_pool2d", g.device(),
+           [&] { kernels::cpu::max_pool2d_backward(dy.kview(), indices.kview(), dx.kview(), w); });
+    return std::vector<Tensor>{dx.dtype() == g.dtype() ? dx : dx.to(g.dtype())};
+  });
+  return out;
+}
+
+}  // namespace microbatch

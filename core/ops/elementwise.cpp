@@ -117,7 +117,7 @@ Tensor pow(const Tensor& a, const Tensor& b) {
   check_floating("pow", a);
   Tensor out = binary_kernel("pow", BinaryOp::Pow, a, b);
   record("pow", {a, b}, out,
-         [sa = SavedTensor(a, "pow"), sb = SavedTensor(b, "pow"), so = SavedTensor(out, "pow"),
+         [sa = SavedTensor(a, "pow"), sb = SavedTensor(b, "pow"), so = SavedTensor::output(out, "pow"),
           rb = b.requires_grad()](const Tensor& g) {
            Tensor x = sa.get(), y = sb.get();
            Tensor da = reduce_grad(g * y * pow(x, y - 1.0), x);
@@ -172,7 +172,7 @@ Tensor neg(const Tensor& a) {
 
 Tensor exp(const Tensor& a) {
   Tensor out = unary_float("exp", UnaryOp::Exp, a);
-  record("exp", {a}, out, [so = SavedTensor(out, "exp")](const Tensor& g) {
+  record("exp", {a}, out, [so = SavedTensor::output(out, "exp")](const Tensor& g) {
     return std::vector<Tensor>{g * so.get()};
   });
   return out;
@@ -188,7 +188,7 @@ Tensor log(const Tensor& a) {
 
 Tensor sqrt(const Tensor& a) {
   Tensor out = unary_float("sqrt", UnaryOp::Sqrt, a);
-  record("sqrt", {a}, out, [so = SavedTensor(out, "sqrt")](const Tensor& g) {
+  record("sqrt", {a}, out, [so = SavedTensor::output(out, "sqrt")](const Tensor& g) {
     return std::vector<Tensor>{g / (so.get() * 2.0)};
   });
   return out;
@@ -196,7 +196,7 @@ Tensor sqrt(const Tensor& a) {
 
 Tensor rsqrt(const Tensor& a) {
   Tensor out = unary_float("rsqrt", UnaryOp::Rsqrt, a);
-  record("rsqrt", {a}, out, [so = SavedTensor(out, "rsqrt")](const Tensor& g) {
+  record("rsqrt", {a}, out, [so = SavedTensor::output(out, "rsqrt")](const Tensor& g) {
     Tensor y = so.get();
     return std::vector<Tensor>{g * y * y * y * -0.5};
   });
@@ -218,7 +218,7 @@ namespace {
 Tensor activation(const char* op, UnaryOp forward, BinaryOp backward, const Tensor& a,
                   bool save_output) {
   Tensor out = unary_float(op, forward, a);
-  record(op, {a}, out, [s = SavedTensor(save_output ? out : a, op), backward, op](const Tensor& g) {
+  record(op, {a}, out, [s = save_output ? SavedTensor::output(out, op) : SavedTensor(a, op), backward, op](const Tensor& g) {
     return std::vector<Tensor>{binary_kernel(op, backward, s.get(), g)};
   });
   return out;

@@ -1,4 +1,5 @@
-// matmul (torch.matmul's rules) and linear, composed around one batched GEMM op (`bmm`).
+// matmul (torch.matmul's rules), composed around one batched GEMM op (`bmm`), and linear, a
+// GEMM with the bias added before rounding and a weight gradient that lands in place.
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -102,18 +103,73 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+// Note [Weight-gradient GEMM]: linear's backward writes dweight straight into the weight's
+// gradient buffer (a slot of the gradient arena) as `grad = w * dy^T x + 1 * grad`, the GEMM's
+// alpha = w (the micro-batch's accumulation weight) and beta = 1, so no temporary of the weight's
+// size is allocated and AccumulateGrad has nothing left to do for it. Where that is not allowed
+// (no buffer yet, or grad() is capturing the weight) it returns dweight like any other op.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_same_device("linear", {x, weight, bias});
+  check_floating("linear", x);
   MB_CHECK(weight.dim() == 2, "[linear] weight must be (out, in), got {}", shape_str(weight.shape()));
   MB_CHECK(x.dim() >= 1 && x.shape().back() == weight.shape()[1],
            "[linear] input {} does not match weight {} (expected last dim {})", shape_str(x.shape()),
            shape_str(weight.shape()), weight.shape()[1]);
-  Tensor out = matmul(x, weight.t());
+  MB_CHECK(x.dtype() == weight.dtype(), "[linear] input is {} but weight is {}", dtype_name(x.dtype()),
+           dtype_name(weight.dtype()));
+  const std::int64_t n = weight.shape()[0], k = weight.shape()[1];
   if (bias.defined()) {
-    MB_CHECK(bias.dim() == 1 && bias.shape()[0] == weight.shape()[0],
-             "[linear] bias must be ({},), got {}", weight.shape()[0], shape_str(bias.shape()));
-    out = out + bias;
+    MB_CHECK(bias.dim() == 1 && bias.shape()[0] == n, "[linear] bias must be ({},), got {}", n,
+             shape_str(bias.shape()));
+    MB_CHECK(bias.dtype() == x.dtype(), "[linear] bias is {} but input is {}", dtype_name(bias.dtype()),
+             dtype_name(x.dtype()));
   }
-  return out;
+  const DType dt = x.dtype();
+  const DType math = dt == DType::f64 ? DType::f64 : DType::f32;
+  Shape out_shape(x.shape().begin(), x.shape().end() - 1);
+  out_shape.push_back(n);
+  const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
+  Tensor out = empty({m, n}, {.dtype = dt, .device = x.device()});
+  launch("linear", x.device(), [&] {
+    // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once.
+    NoGradGuard no_grad;
+    Tensor x2 = gemm_ready(x.reshape({1, m, k}).to(math));
+    Tensor w = weight.to(math);
+    Tensor o = math == dt ? out : empty({m, n}, {.dtype = math});
+    double beta = 0.0;
+    if (bias.defined()) {
+      o.copy_(bias.expand({m, n}));
+      beta = 1.0;
+    }
+    kernels::cpu::gemm(x2.kview(), w.t().unsqueeze(0).kview(), o.unsqueeze(0).kview(), 1.0, beta);
+    if (!o.same_storage(out)) out.copy_(o);
+  });
+  record("linear", {x, weight, bias}, out,
+         [sx = SavedTensor(x, "linear"), sw = SavedTensor(weight, "linear"), x_shape = x.shape(),
+          rx = x.requires_grad(), rw = weight.requires_grad(),
+          rb = bias.defined() && bias.requires_grad(), m, n, k](const Tensor& g) {
+           Tensor g2 = g.reshape({m, n});
+           Tensor w = sw.get();
+           Tensor dx, dw, db;
+           if (rx) dx = matmul(g2, w).reshape(x_shape);
+           if (rw) {
+             Tensor x2 = sx.get().reshape({m, k});
+             Tensor grad = w.grad();
+             if (accumulates_in_place(w) && grad.device().is_cpu() && grad.is_contiguous() &&
+                 is_floating(grad.dtype()) && grad.dtype() != DType::f16 && grad.dtype() != DType::bf16) {
+               const DType math = grad.dtype();  // f32 or f64 accumulator
+               Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(math));
+               Tensor xm = gemm_ready(x2.unsqueeze(0).to(math));
+               kernels::cpu::gemm(gm.kview(), xm.kview(), grad.unsqueeze(0).kview(), grad_weight(), 1.0);
+               grad.bump_version();
+             } else {
+               dw = matmul(g2.t(), x2);
+             }
+           }
+           if (rb) db = sum(g2, {0});
+           return std::vector<Tensor>{dx, dw, db};
+         });
+  return out.reshape(out_shape);
 }
 
 }  // namespace microbatch

@@ -23,6 +23,7 @@ ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, b
   p.reduced.assign(a.dim(), dims.empty());
   for (auto d : dims) {
     const int w = wrap_dim(d, a.dim(), op);
+    if (a.dim() == 0) continue;  // a 0-d tensor accepts dim 0 or -1 and has no dim to mark
     MB_CHECK(!p.reduced[w] || dims.empty(), "[{}] dim {} repeated", op, w);
     p.reduced[w] = true;
   }
@@ -58,9 +59,10 @@ Tensor reduce_kernel(const char* op, kernels::ReduceOp kind, const Tensor& a, co
 }  // namespace
 
 Tensor sum(const Tensor& a, const std::vector<std::int64_t>& dims, ReduceOptions options) {
-  MB_CHECK(a.dtype() != DType::boolean, "[sum] convert bool tensors to an integer or float dtype first");
   const ReducePlan p = plan_reduce(a, dims, options.keepdim, "sum");
-  Tensor out = reduce_kernel("sum", kernels::ReduceOp::Sum, a, p, a.dtype());
+  // Integer and bool sums are exact and i64, as torch.sum.
+  const DType out_dtype = is_floating(a.dtype()) ? a.dtype() : DType::i64;
+  Tensor out = reduce_kernel("sum", kernels::ReduceOp::Sum, a, p, out_dtype);
   record("sum", {a}, out, [from = a.shape(), kept = p.kept_shape](const Tensor& g) {
     return std::vector<Tensor>{g.reshape(kept).expand(from).contiguous()};
   });

@@ -1,1 +1,85 @@
-// Filled in by the shape op family.
+// Joining ops: cat and stack. The output is allocated once and each input copied into its slice;
+// the backward hands each input its slice of the gradient (a view; overwrites, nothing saved but
+// sizes). stack is cat of unsqueezed inputs, so it shares that backward.
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "core/ops/dispatch.h"
+
+namespace microbatch {
+
+namespace {
+
+// One dtype and one device for all; names the op and the offending tensor's index.
+void check_same_kind(const char* op, const std::vector<Tensor>& tensors) {
+  MB_CHECK(!tensors.empty(), "[{}] expected a non-empty list of tensors", op);
+  const Tensor& first = tensors[0];
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    MB_CHECK(tensors[i].defined(), "[{}] tensor {} is undefined", op, i);
+    MB_CHECK(tensors[i].dtype() == first.dtype(), "[{}] tensor {} has dtype {} but tensor 0 has {}",
+             op, i, dtype_name(tensors[i].dtype()), dtype_name(first.dtype()));
+    MB_CHECK(tensors[i].device() == first.device(),
+             "[{}] tensor {} is on {} but tensor 0 is on {}", op, i, tensors[i].device().str(),
+             first.device().str());
+  }
+}
+
+}  // namespace
+
+Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
+  check_same_kind("cat", tensors);
+  const Tensor& first = tensors[0];
+  MB_CHECK(first.dim() > 0, "[cat] tensor 0 is zero-dimensional and cannot be concatenated");
+  const int d = wrap_dim(dim, first.dim(), "cat");
+  Shape out_shape = first.shape();
+  out_shape[d] = 0;
+  std::vector<std::int64_t> sizes;  // each input's extent along d
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const Shape& s = tensors[i].shape();
+    bool match = s.size() == first.shape().size();
+    for (std::size_t k = 0; match && k < s.size(); ++k) {
+      match = static_cast<int>(k) == d || s[k] == first.shape()[k];
+    }
+    MB_CHECK(match, "[cat] tensor {} has shape {} but tensor 0 has shape {}; shapes must match "
+             "except in dim {}", i, shape_str(s), shape_str(first.shape()), d);
+    sizes.push_back(s[d]);
+    out_shape[d] += s[d];
+  }
+
+  Tensor out = empty(out_shape, {.dtype = first.dtype(), .device = first.device()});
+  {
+    NoGradGuard no_grad;  // the slices and copies are this op's own business
+    std::int64_t start = 0;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (sizes[i] > 0) out.slice(d, start, start + sizes[i]).copy_(tensors[i]);
+      start += sizes[i];
+    }
+  }
+
+  record("cat", tensors, out, [sizes, d](const Tensor& g) {
+    std::vector<Tensor> grads;
+    std::int64_t start = 0;
+    for (auto n : sizes) {
+      grads.push_back(g.slice(d, start, start + n));
+      start += n;
+    }
+    return grads;
+  });
+  return out;
+}
+
+Tensor stack(const std::vector<Tensor>& tensors, std::int64_t dim) {
+  check_same_kind("stack", tensors);
+  const Shape& first = tensors[0].shape();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    MB_CHECK(tensors[i].shape() == first,
+             "[stack] tensor {} has shape {} but tensor 0 has shape {}; all shapes must be equal",
+             i, shape_str(tensors[i].shape()), shape_str(first));
+  }
+  const int d = wrap_dim(dim, tensors[0].dim() + 1, "stack");
+  std::vector<Tensor> parts;  // each (..., 1, ...): views, so cat still allocates the only copy
+  parts.reserve(tensors.size());
+  for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
+  return cat(parts, d);
+}
+
+}  // namespace microbatch

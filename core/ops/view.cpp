@@ -2,6 +2,7 @@
 // back to the input's shape (overwrites; no saved tensors, only shapes).
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -39,21 +40,53 @@ Shape infer_shape(const Shape& requested, std::int64_t numel, const char* op, co
   return shape;
 }
 
+// Strides that show a tensor of (shape, strides) as `target` without moving data, or nullopt when
+// the target would merge dims that are not laid out one after the other. Dims are consumed in
+// chunks of memory-contiguous dims; within a chunk any split or merge is a view.
+std::optional<Shape> view_strides(const Shape& shape, const Shape& strides, const Shape& target) {
+  if (shape_numel(shape) == 0 || shape.empty()) return contiguous_strides(target);
+  Shape out(target.size(), 1);
+  int view_d = static_cast<int>(target.size()) - 1;
+  std::int64_t chunk_base = strides.back();
+  std::int64_t tensor_numel = 1, view_numel = 1;
+  for (int d = static_cast<int>(shape.size()) - 1; d >= 0; --d) {
+    tensor_numel *= shape[d];
+    const bool chunk_ends = d == 0 || (shape[d - 1] != 1 && strides[d - 1] != tensor_numel * chunk_base);
+    if (!chunk_ends) continue;
+    while (view_d >= 0 && (view_numel < tensor_numel || target[view_d] == 1)) {
+      out[view_d] = view_numel * chunk_base;
+      view_numel *= target[view_d];
+      --view_d;
+    }
+    if (view_numel != tensor_numel) return std::nullopt;
+    if (d > 0) {
+      chunk_base = strides[d - 1];
+      tensor_numel = 1;
+      view_numel = 1;
+    }
+  }
+  if (view_d != -1) return std::nullopt;
+  return out;
+}
+
 }  // namespace
 
 Tensor Tensor::view(const Shape& requested) const {
   const Shape shape = infer_shape(requested, numel(), "view", this->shape());
-  MB_CHECK(is_contiguous(), "[view] input of shape {} is not contiguous; use reshape()",
-           shape_str(this->shape()));
-  Tensor out = as_view(*this, shape, contiguous_strides(shape), offset());
+  std::optional<Shape> st = is_contiguous() ? contiguous_strides(shape) : view_strides(this->shape(), strides(), shape);
+  MB_CHECK(st.has_value(), "[view] input of shape {} is not contiguous in the dims that {} merges; use reshape()",
+           shape_str(this->shape()), shape_str(shape));
+  Tensor out = as_view(*this, shape, *st, offset());
   record("view", {*this}, out, [from = this->shape()](const Tensor& g) {
     return std::vector<Tensor>{g.reshape(from)};
   });
   return out;
 }
 
-Tensor Tensor::reshape(const Shape& shape) const {
-  if (is_contiguous()) return view(shape);
+Tensor Tensor::reshape(const Shape& requested) const {
+  if (is_contiguous()) return view(requested);
+  const Shape shape = infer_shape(requested, numel(), "reshape", this->shape());
+  if (view_strides(this->shape(), strides(), shape)) return view(shape);  // no copy needed
   return contiguous().view(shape);
 }
 

@@ -1,6 +1,7 @@
 // Row reductions on contiguous input. Sums accumulate in f64 so that results do not depend on how
 // a batch was split (Note [Exact accumulation] relies on sums being this accurate).
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/reduce.h"
 
@@ -15,9 +16,15 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
       const T* row = x + i * inner;
       switch (op) {
         case ReduceOp::Sum: {
-          double acc = 0.0;
-          for (std::int64_t j = 0; j < inner; ++j) acc += static_cast<double>(static_cast<C>(row[j]));
-          out.ptr<T>()[i] = static_cast<T>(static_cast<C>(acc));
+          if constexpr (std::is_integral_v<T>) {  // exact, into i64 (as torch.sum)
+            std::int64_t acc = 0;
+            for (std::int64_t j = 0; j < inner; ++j) acc += static_cast<std::int64_t>(row[j]);
+            out.ptr<std::int64_t>()[i] = acc;
+          } else {
+            double acc = 0.0;
+            for (std::int64_t j = 0; j < inner; ++j) acc += static_cast<double>(static_cast<C>(row[j]));
+            out.ptr<T>()[i] = static_cast<T>(static_cast<C>(acc));
+          }
           break;
         }
         case ReduceOp::Max:

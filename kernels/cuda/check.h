@@ -10,7 +10,7 @@
   do {                                                                                       \
     cudaError_t mb_status_ = (call);                                                         \
     if (mb_status_ != cudaSuccess)                                                           \
-      ::microbatch::detail::throw_error(fmt::format("[cuda] {} failed at {}:{}: {}", #call,   \
+      ::microbatch::detail::throw_error(MB_FORMAT("[cuda] {} failed at {}:{}: {}", #call,   \
                                                     __FILE__, __LINE__,                      \
                                                     cudaGetErrorString(mb_status_)));        \
   } while (0)

@@ -1,1 +1,420 @@
+// The autograd engine: gradients of composite graphs against hand-derived formulas, accumulation
+// (plain and weighted, into arena views), retain_graph, grad mode, the in-place and version
+// checks, microbatch::grad, and activation checkpointing (with parameters and dropout inside).
+#include <cmath>
+
+#include "core/rng.h"
 #include "tests/core/harness.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+
+namespace {
+
+Tensor leaf(const std::vector<double>& values, const Shape& shape, DType dtype = DType::f64) {
+  return from_vector(values, shape, {.dtype = dtype, .requires_grad = true});
+}
+
+void clear_grads(std::initializer_list<Tensor> tensors) {
+  for (const Tensor& t : tensors) t.set_grad({});
+}
+
+}  // namespace
+
+// ---- gradients ---------------------------------------------------------------------------------
+
+TEST_CASE("backward: scalar chain and diamond against hand-derived derivatives") {
+  // y = a b + a^2, z = y^2: dz/da = 2y (b + 2a), dz/db = 2y a. At a = 2, b = 3: y = 10.
+  Tensor a = leaf({2}, {});
+  Tensor b = leaf({3}, {});
+  Tensor y = a * b + a * a;
+  Tensor z = y * y;
+  z.backward();
+  CHECK(z.item() == 100.0);
+  CHECK(a.grad().item() == 140.0);
+  CHECK(b.grad().item() == 40.0);
+  CHECK(a.grad().dtype() == DType::f64);
+  CHECK(a.grad().shape() == Shape{});
+
+  // Two paths from x meet again: c = (2x)(3x) = 6x^2, dc/dx = 12x.
+  Tensor x = leaf({1, -2, 0.5}, {3});
+  sum((x * 2.0) * (x * 3.0)).backward();
+  CHECK(x.grad().to_vector() == std::vector<double>{12, -24, 6});
+
+  // A broadcast scalar parameter collects the sum over the elements it touched.
+  Tensor s = leaf({0.5}, {1});
+  Tensor v = leaf({1, 2, 3}, {3});
+  sum((v + s) * v).backward();  // d/ds = sum(v) = 6, d/dv = 2v + s
+  CHECK(s.grad().to_vector() == std::vector<double>{6});
+  CHECK(v.grad().to_vector() == std::vector<double>{2.5, 4.5, 6.5});
+}
+
+TEST_CASE("backward: a small network against hand-derived gradients") {
+  // loss = sum(relu(x W^T + b) * c) + sum(x * x), with x (2, 3), W (2, 3), b (2,), c (2, 2).
+  const std::vector<double> xv = {1, 2, -1, 0.5, -1, 2};
+  const std::vector<double> wv = {1, 0, 2, -1, 1, 1};
+  const std::vector<double> bv = {0.5, 0.25};
+  const std::vector<double> cv = {1, -2, 0.5, 3};
+  Tensor x = leaf(xv, {2, 3}), w = leaf(wv, {2, 3}), b = leaf(bv, {2});
+  Tensor c = from_vector(cv, {2, 2}, {.dtype = DType::f64});
+  Tensor loss = sum(relu(linear(x, w, b)) * c) + sum(x * x);
+  loss.backward();
+
+  // The same by hand: h = x W^T + b, dh = c * (h > 0), dW = dh^T x, db = sum_i dh, dx = dh W + 2x.
+  double h[2][2], dh[2][2], expect_loss = 0;
+  for (int i = 0; i < 2; ++i) {
+    for (int o = 0; o < 2; ++o) {
+      h[i][o] = bv[o];
+      for (int k = 0; k < 3; ++k) h[i][o] += xv[i * 3 + k] * wv[o * 3 + k];
+      REQUIRE(std::abs(h[i][o]) > 0.1);  // away from relu's kink
+      dh[i][o] = h[i][o] > 0 ? cv[i * 2 + o] : 0.0;
+      expect_loss += std::max(h[i][o], 0.0) * cv[i * 2 + o];
+    }
+  }
+  std::vector<double> dx(6), dw(6, 0.0), db(2, 0.0);
+  for (int i = 0; i < 2; ++i) {
+    for (int k = 0; k < 3; ++k) {
+      dx[i * 3 + k] = 2 * xv[i * 3 + k];
+      expect_loss += xv[i * 3 + k] * xv[i * 3 + k];
+      for (int o = 0; o < 2; ++o) {
+        dx[i * 3 + k] += dh[i][o] * wv[o * 3 + k];
+        dw[o * 3 + k] += dh[i][o] * xv[i * 3 + k];
+      }
+    }
+    for (int o = 0; o < 2; ++o) db[o] += dh[i][o];
+  }
+  check_close(loss, {expect_loss}, 1e-12, 1e-12, "loss");
+  check_close(x.grad(), dx, 1e-12, 1e-12, "dx");
+  check_close(w.grad(), dw, 1e-12, 1e-12, "dW");
+  check_close(b.grad(), db, 1e-12, 1e-12, "db");
+  // One relu is off (h[0][0] = -0.5), so its row of c must not reach W's gradient.
+  CHECK(h[0][0] < 0);
+  CHECK(c.grad().defined() == false);  // a constant gets no gradient
+}
+
+TEST_CASE("backward: an explicit gradient for a non-scalar output, and its checks") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor y = x * 3.0;
+  check_throws_with([&] { y.backward(); },
+                    "grad can be created implicitly only for a one-element output, got shape (3,)");
+  const Tensor wrong_shape = from_vector({1, 1}, {2}, {.dtype = DType::f64});
+  check_throws_with([&] { y.backward(wrong_shape); },
+                    "gradient shape (2,) differs from output shape (3,)");
+  y.backward(from_vector({1, -1, 0.5}, {3}, {.dtype = DType::f64}));
+  CHECK(x.grad().to_vector() == std::vector<double>{3, -3, 1.5});
+
+  Tensor plain = from_vector({1, 2}, {2});
+  check_throws_with([&] { sum(plain).backward(); }, "does not require grad");
+}
+
+TEST_CASE("backward: gradients accumulate over two backward calls") {
+  Tensor x = leaf({1, -2, 3}, {3});
+  Tensor w = leaf({0.5, 0.5, 2}, {3});
+  sum(x * w * x).backward();
+  const std::vector<double> once = x.grad().to_vector();
+  CHECK(once == std::vector<double>{1, -2, 12});  // 2 w x
+  const Tensor grad_tensor = x.grad();
+  sum(x * w * x).backward();  // a new graph, same leaves
+  CHECK(x.grad().to_vector() == std::vector<double>{2, -4, 24});
+  CHECK(x.grad().same_storage(grad_tensor));  // added in place, not replaced
+  // 2 x^2, twice
+  CHECK(w.grad().to_vector() == std::vector<double>{2, 8, 18});
+}
+
+TEST_CASE("GradWeightGuard: grad += w * g, exactly") {
+  // Dyadic values keep every product and sum exact in f32, so equality must hold bit for bit.
+  auto losses = [](const Tensor& x) {
+    return std::vector<Tensor>{sum(x * x), sum(x * 3.0), sum(x * x * x)};
+  };
+  Tensor x = leaf({0.5, -1.25, 2.0}, {3}, DType::f32);
+  const double weights[] = {0.25, 0.25, 0.5};
+  for (int i = 0; i < 3; ++i) {
+    GradWeightGuard weight(weights[i]);
+    CHECK(grad_weight() == weights[i]);
+    losses(x)[i].backward();
+  }
+  CHECK(grad_weight() == 1.0);
+  const std::vector<double> weighted = x.grad().to_vector();
+
+  Tensor y = leaf({0.5, -1.25, 2.0}, {3}, DType::f32);
+  std::vector<Tensor> l = losses(y);
+  (l[0] * 0.25 + l[1] * 0.25 + l[2] * 0.5).backward();
+  CHECK(weighted == y.grad().to_vector());
+  // By hand: 0.25 (2x) + 0.25 (3) + 0.5 (3x^2).
+  CHECK(weighted == std::vector<double>{1.375, 2.46875, 7.75});
+
+  // Nested guards restore the outer weight.
+  {
+    GradWeightGuard outer(0.5);
+    {
+      GradWeightGuard inner(0.125);
+      CHECK(grad_weight() == 0.125);
+    }
+    CHECK(grad_weight() == 0.5);
+  }
+  CHECK(grad_weight() == 1.0);
+}
+
+TEST_CASE("gradients land in place in a view of a flat arena") {
+  Tensor arena = zeros({6}, {.dtype = DType::f64});
+  Tensor x = leaf({1, 2, 3}, {3});
+  x.set_grad(arena.slice(0, 2, 5));
+  {
+    GradWeightGuard half(0.5);
+    sum(x * x).backward();  // g = 2x, w = 1/2
+  }
+  CHECK(arena.to_vector() == std::vector<double>{0, 0, 1, 2, 3, 0});
+  CHECK(x.grad().same_storage(arena));
+  sum(x * 4.0).backward();
+  CHECK(arena.to_vector() == std::vector<double>{0, 0, 5, 6, 7, 0});
+  check_throws_with([&] { x.set_grad(zeros({2}, {.dtype = DType::f64})); },
+                    "[set_grad] grad shape (2,) differs from tensor shape (3,)");
+}
+
+// ---- graph lifetime and grad mode --------------------------------------------------------------
+
+TEST_CASE("retain_graph allows a second backward; without it a second backward throws") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor y = sum(x * x);
+  y.backward(BackwardOptions{.retain_graph = true});
+  y.backward();  // allowed: the graph was kept; this one releases it
+  CHECK(x.grad().to_vector() == std::vector<double>{4, 8, 12});
+  check_throws_with([&] { y.backward(); }, "a second time");
+  check_throws_with([&] { y.backward(); }, "retain_graph");
+  CHECK(x.grad().to_vector() == std::vector<double>{4, 8, 12});  // the failed call added nothing
+
+  Tensor z = sum(exp(x));
+  z.backward();
+  check_throws_with([&] { z.backward(); }, "saved tensors were freed");
+}
+
+TEST_CASE("NoGradGuard records nothing; EnableGradGuard turns recording back on") {
+  Tensor x = leaf({1, 2}, {2});
+  CHECK(grad_mode_enabled());
+  {
+    NoGradGuard no_grad;
+    CHECK_FALSE(grad_mode_enabled());
+    Tensor y = exp(x * 2.0);
+    CHECK_FALSE(y.requires_grad());
+    CHECK(y.grad_fn() == nullptr);
+    CHECK(y.is_leaf());
+    CHECK_FALSE(x.view({2, 1}).requires_grad());  // views of x: no history either
+    CHECK(x.view({2, 1}).grad_fn() == nullptr);
+    check_throws_with([&] { sum(y).backward(); }, "does not require grad");
+    {
+      EnableGradGuard enable;
+      CHECK(grad_mode_enabled());
+      CHECK((x * 2.0).grad_fn() != nullptr);
+    }
+    CHECK_FALSE(grad_mode_enabled());
+  }
+  CHECK(grad_mode_enabled());
+  Tensor r = x * 2.0;
+  CHECK(r.requires_grad());
+  CHECK(r.grad_fn() != nullptr);
+  CHECK(r.grad_fn()->name() == "mul");
+  CHECK_FALSE(r.is_leaf());
+  // Integer results never carry history.
+  CHECK_FALSE(gt(x, scalar_tensor(1.5, {.dtype = DType::f64})).requires_grad());
+  // detach() cuts the history.
+  CHECK_FALSE(r.detach().requires_grad());
+  check_throws_with([&] { r.requires_grad_(false); }, "non-leaf");
+}
+
+// ---- in-place checks ---------------------------------------------------------------------------
+
+TEST_CASE("modifying a saved tensor in place makes backward throw the version error") {
+  SUBCASE("fill_ on a saved leaf") {
+    Tensor x = leaf({1, 2, 3}, {3});
+    Tensor y = sum(x * x);  // mul saves x
+    {
+      NoGradGuard no_grad;
+      x.fill_(2.0);
+    }
+    check_throws_with([&] { y.backward(); }, "mul saved for backward was modified in place");
+  }
+  SUBCASE("copy_ into a saved output") {
+    Tensor x = leaf({1, 2, 3}, {3});
+    Tensor e = exp(x);  // exp saves its output
+    Tensor y = sum(e);
+    {
+      NoGradGuard no_grad;
+      e.copy_(from_vector({0, 0, 0}, {3}, {.dtype = DType::f64}));
+    }
+    check_throws_with([&] { y.backward(); }, "exp saved for backward was modified in place");
+  }
+  SUBCASE("through a view of a saved tensor") {
+    Tensor x = leaf({1, 2, 3, 4}, {4});
+    Tensor a = x * 1.0;
+    Tensor y = sum(a * a);
+    {
+      NoGradGuard no_grad;
+      a.slice(0, 1, 2).fill_(0.0);  // the shared version counter sees it
+    }
+    check_throws_with([&] { y.backward(); }, "modified in place");
+  }
+  SUBCASE("a tensor no backward saved may change") {
+    Tensor x = leaf({1, 2, 3}, {3});
+    Tensor a = x * 1.0;
+    Tensor y = sum(a + 1.0);  // add keeps only shapes
+    {
+      NoGradGuard no_grad;
+      a.fill_(5.0);
+    }
+    y.backward();
+    CHECK(x.grad().to_vector() == std::vector<double>{1, 1, 1});
+  }
+}
+
+TEST_CASE("in-place changes of tensors that require grad are refused while grad mode is on") {
+  Tensor x = leaf({1, 2}, {2});
+  check_throws_with([&] { x.fill_(1.0); },
+                    "[fill_] in-place change of a tensor that requires grad");
+  check_throws_with([&] { x.zero_(); }, "[fill_] in-place change");
+  check_throws_with([&] { x.copy_(zeros({2}, {.dtype = DType::f64})); }, "[copy_] in-place change");
+  Tensor a = x * 2.0;
+  check_throws_with([&] { a.fill_(0.0); }, "requires grad");
+  check_throws_with([&] { x.slice(0, 0, 1).fill_(0.0); }, "requires grad");
+  CHECK(x.to_vector() == std::vector<double>{1, 2});
+  {
+    NoGradGuard no_grad;  // an optimizer step, say
+    x.fill_(3.0);
+  }
+  CHECK(x.to_vector() == std::vector<double>{3, 3});
+}
+
+// ---- gradients returned instead of accumulated -------------------------------------------------
+
+TEST_CASE("microbatch::grad returns gradients without touching the inputs' .grad") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor w = leaf({4, 5, 6}, {3});
+  Tensor unrelated = leaf({0}, {1});
+  x.set_grad(from_vector({7, 7, 7}, {3}, {.dtype = DType::f64}));
+  std::vector<Tensor> g = grad({sum(x * w)}, {Tensor()}, {x, unrelated});
+  REQUIRE(g.size() == 2);
+  CHECK(g[0].to_vector() == std::vector<double>{4, 5, 6});
+  CHECK_FALSE(g[1].defined());  // not reached from the root
+  CHECK(x.grad().to_vector() == std::vector<double>{7, 7, 7});
+  CHECK_FALSE(unrelated.grad().defined());
+  // Leaves that were not asked for still accumulate (this is how checkpointed parameters get
+  // their gradients from the inner backward).
+  CHECK(w.grad().to_vector() == std::vector<double>{1, 2, 3});
+
+  // An explicit root gradient, and the weight guard does not apply to returned gradients.
+  Tensor y = x * 2.0;
+  GradWeightGuard quarter(0.25);
+  g = grad({y}, {from_vector({1, 0, -1}, {3}, {.dtype = DType::f64})}, {x});
+  CHECK(g[0].to_vector() == std::vector<double>{2, 0, -2});
+  check_throws_with([&] { grad({sum(y)}, {Tensor()}, {y}); }, "[grad] inputs must be leaf tensors");
+}
+
+// ---- activation checkpointing ------------------------------------------------------------------
+
+TEST_CASE("checkpoint gives the plain gradients, parameters captured inside included") {
+  Tensor x = input({4, 3}, -1, 1, 11);
+  Tensor w1 = input({5, 3}, -1, 1, 12), b1 = input({5}, -1, 1, 13);
+  Tensor w2 = input({2, 5}, -1, 1, 14), b2 = input({2}, -1, 1, 15);
+  int calls = 0;
+  auto layer1 = [&](const Tensor& h) {
+    ++calls;
+    return tanh(linear(h, w1, b1));
+  };
+  auto layer2 = [&](const Tensor& h) { return sigmoid(linear(h, w2, b2)); };
+
+  Tensor plain = sum(layer2(layer1(x)) * layer2(layer1(x)));
+  plain.backward();
+  const std::vector<Tensor> expected = {x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
+  clear_grads({x, w1, b1, w2, b2});
+
+  calls = 0;
+  Tensor h = checkpoint(layer1, x);
+  CHECK(calls == 1);
+  CHECK(h.grad_fn() != nullptr);
+  CHECK(h.grad_fn()->name() == "checkpoint");
+  Tensor out = checkpoint(layer2, h);
+  Tensor loss = sum(out * out);
+  check_close(loss, plain.to_vector(), 1e-14, 0, "checkpointed loss");
+  loss.backward();
+  CHECK(calls == 2);  // re-run once, during backward
+  const std::vector<Tensor> got = {x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
+  const char* names[] = {"dx", "dw1", "db1", "dw2", "db2"};
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE_MESSAGE(got[i].defined(), names[i] << " missing");
+    check_close(got[i], expected[i], 1e-12, 1e-14, names[i]);
+  }
+
+  // The accumulation weight reaches the parameters inside the segment too.
+  clear_grads({x, w1, b1, w2, b2});
+  {
+    GradWeightGuard half(0.5);
+    Tensor y = checkpoint(layer2, checkpoint(layer1, x));
+    sum(y * y).backward();
+  }
+  check_close(w1.grad(), expected[1] * 0.5, 1e-12, 1e-14, "dw1 at w = 1/2");
+  check_close(x.grad(), expected[0] * 0.5, 1e-12, 1e-14, "dx at w = 1/2");
+}
+
+TEST_CASE("checkpoint with several inputs and outputs") {
+  Tensor a = input({3}, 0.5, 1.5, 21), b = input({3}, 0.5, 1.5, 22);
+  auto fn = [](const std::vector<Tensor>& in) {
+    return std::vector<Tensor>{in[0] * in[1], log(in[0] + in[1])};
+  };
+  auto total = [](const std::vector<Tensor>& outs) { return sum(outs[0] * 2.0) + sum(outs[1]); };
+  total(fn({a, b})).backward();
+  const Tensor da = a.grad(), db = b.grad();
+  clear_grads({a, b});
+  total(checkpoint(fn, {a, b})).backward();
+  check_close(a.grad(), da, 1e-12, 1e-14, "da");
+  check_close(b.grad(), db, 1e-12, 1e-14, "db");
+
+  // Only one output used: the other receives no gradient and that is fine.
+  clear_grads({a, b});
+  sum(checkpoint(fn, {a, b})[1]).backward();
+  check_close(a.grad(), (1.0 / (a + b)).detach(), 1e-12, 1e-14, "d log(a + b) / da");
+
+  // Outside grad mode, checkpoint just runs the function.
+  NoGradGuard no_grad;
+  CHECK_FALSE(checkpoint(fn, {a, b})[0].requires_grad());
+}
+
+TEST_CASE("checkpoint: modifying a saved input in place is caught") {
+  Tensor x = leaf({1, 2}, {2});
+  Tensor a = x * 1.0;
+  Tensor y = sum(checkpoint([](const Tensor& t) { return t * t; }, a));
+  {
+    NoGradGuard no_grad;
+    a.fill_(0.0);
+  }
+  check_throws_with([&] { y.backward(); }, "checkpoint saved for backward was modified in place");
+}
+
+TEST_CASE("checkpoint re-draws the same dropout mask during backward") {
+  const GeneratorState saved = default_generator().state();
+  Tensor x = input({8, 16}, -1, 1, 31);
+  Tensor w = input({16}, 0.5, 1.5, 32);
+  auto fn = [&](const Tensor& h) { return dropout(tanh(h * w), 0.5); };
+  Tensor c = input({8, 16}, -1, 1, 33).detach();
+
+  manual_seed(99);
+  Tensor plain = sum(fn(x) * c);
+  plain.backward();
+  const GeneratorState after_plain = default_generator().state();
+  const Tensor dx = x.grad(), dw = w.grad();
+  clear_grads({x, w});
+
+  manual_seed(99);
+  Tensor loss = sum(checkpoint(fn, x) * c);
+  loss.backward();
+  CHECK(loss.item() == plain.item());
+  check_close(x.grad(), dx, 1e-12, 1e-14, "dx through dropout");
+  check_close(w.grad(), dw, 1e-12, 1e-14, "dw through dropout");
+  // The recomputation rewinds the stream and puts it back: later draws are unaffected.
+  CHECK(default_generator().state().offset == after_plain.offset);
+
+  // The mask really dropped some elements (else this test would prove nothing).
+  int dropped = 0;
+  for (double g : dx.to_vector()) dropped += g == 0.0;
+  CHECK(dropped > 20);
+  CHECK(dropped < 108);
+  default_generator().set_state(saved);
+}

@@ -36,3 +36,31 @@ TEST_CASE("matmul in 16-bit accumulates in f32") {
   Tensor b = full({4096, 1}, 1.0 / 64, {.dtype = DType::bf16});
   CHECK(matmul(a, b).item() == 64.0);
 }
+
+TEST_CASE("linear matches its composition x @ w^T + b, also in bf16 where it rounds once") {
+  Tensor x = input({2, 3, 4}), w = input({5, 4}, -1, 1, 2), b = input({5}, -1, 1, 3);
+  check_close(linear(x, w, b), matmul(x, w.t()) + b, 1e-15, 1e-15, "f64");
+  Tensor xb = x.to(DType::bf16), wb = w.to(DType::bf16), bb = b.to(DType::bf16);
+  Tensor once = (matmul(xb.to(DType::f32), wb.to(DType::f32).t()) + bb.to(DType::f32)).to(DType::bf16);
+  check_close(linear(xb, wb, bb), once, 0, 0, "bf16 rounds once");
+}
+
+TEST_CASE("linear writes the weight gradient straight into a preset buffer: grad += w * dy^T x") {
+  Tensor x = input({6, 4}), w = input({3, 4}, -1, 1, 2), b = input({3}, -1, 1, 3);
+  Tensor dy = input({6, 3}, -1, 1, 4).detach();
+  Tensor reference = matmul(dy.t(), x.detach());  // dL/dw for L = sum(linear(x, w, b) * dy)
+  Tensor buffer = zeros({3, 4}, {.dtype = DType::f64});
+  w.set_grad(buffer);
+  {
+    GradWeightGuard weight(0.25);
+    sum(linear(x, w, b) * dy).backward();
+    sum(linear(x, w, b) * dy).backward();
+  }
+  CHECK(w.grad().same_storage(buffer));  // no new gradient tensor was made
+  check_close(buffer, reference * 0.5, 1e-14, 1e-14, "0.25 + 0.25 of dw");
+  check_close(b.grad(), sum(dy, {0}) * 0.5, 1e-14, 1e-14, "bias gradient, weighted");
+  // grad() that captures the weight gets dw returned and leaves the buffer alone.
+  std::vector<Tensor> got = grad({sum(linear(x, w, b) * dy)}, {Tensor()}, {w});
+  check_close(got[0], reference, 1e-14, 1e-14, "captured dw");
+  check_close(buffer, reference * 0.5, 1e-14, 1e-14, "buffer unchanged by grad()");
+}

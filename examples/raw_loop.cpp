@@ -1,0 +1,60 @@
+// (1) The raw loop, PyTorch style: loss.backward() per micro-batch and optimizer.step() every N.
+// The one difference from the usual `loss / N`: each micro-batch is weighted by its share of the
+// window's items, which makes the result equal the full batch's even for uneven or padded batches.
+#include <iostream>
+
+#include "examples/accumulation_styles.h"
+#include "optim/optimizer.h"
+
+namespace microbatch::examples {
+
+std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data, ExampleConfig config) {
+  optim::ParamStore store(model);
+  optim::AdamW optimizer(store, {.lr = config.learning_rate});
+  train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
+                                  .seed = config.seed});
+  std::vector<double> losses;
+  std::int64_t steps = 0, epoch = 0;
+  optimizer.zero_grad();
+  while (steps < config.max_steps) {
+    // Read one window ahead and count its items: that fixes every micro-batch's weight.
+    std::vector<train::Batch> window;
+    std::int64_t window_items = 0;
+    while (static_cast<std::int64_t>(window.size()) < config.gradient_accumulation_steps) {
+      std::optional<train::Batch> batch = loader.next();
+      if (!batch) {
+        if (!window.empty()) break;  // the data's last window may be shorter
+        loader.set_epoch(++epoch);
+        continue;
+      }
+      window_items += batch->num_items;
+      window.push_back(std::move(*batch));
+    }
+    for (const train::Batch& batch : window) {
+      nn::ModelOutput out = model(batch.inputs, batch.labels);
+      GradWeightGuard weight(static_cast<double>(batch.num_items) / static_cast<double>(window_items));
+      out.loss.backward();
+      losses.push_back(out.loss.item());
+    }
+    optimizer.step();
+    optimizer.zero_grad();
+    ++steps;
+  }
+  return losses;
+}
+
+}  // namespace microbatch::examples
+
+#ifdef MB_EXAMPLE_MAIN
+#include "examples/example_data.h"
+
+int main() {
+  using namespace microbatch;
+  manual_seed(0);
+  nn::MLP model({.in_features = 784, .hidden = {128}, .num_classes = 10});
+  auto data = examples::example_dataset();
+  std::vector<double> losses = examples::train_raw_loop(model, *data, {});
+  std::cout << "raw loop: " << losses.size() << " micro-batches, first loss " << losses.front()
+            << ", last loss " << losses.back() << "\n";
+}
+#endif

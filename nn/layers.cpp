@@ -1,0 +1,92 @@
+#include "nn/layers.h"
+
+#include <cmath>
+
+namespace microbatch::nn {
+
+void uniform_(Tensor& t, double lo, double hi) {
+  NoGradGuard no_grad;
+  Tensor u = rand(t.shape(), {.dtype = DType::f64});
+  t.copy_(u * (hi - lo) + lo);
+}
+
+void normal_(Tensor& t, double mean, double std) {
+  NoGradGuard no_grad;
+  Tensor n = randn(t.shape(), {.dtype = DType::f64});
+  t.copy_(n * std + mean);
+}
+
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options) {
+  MB_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive, got {} -> {}",
+           in_features, out_features);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  weight = empty({out_features, in_features}, {.dtype = options.dtype});
+  uniform_(weight, -bound, bound);
+  register_parameter("weight", &weight);
+  if (options.bias) {
+    bias = empty({out_features}, {.dtype = options.dtype});
+    uniform_(bias, -bound, bound);
+    register_parameter("bias", &bias);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+
+Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, DType dtype) {
+  MB_CHECK(num_embeddings > 0 && dim > 0, "[Embedding] sizes must be positive, got ({}, {})",
+           num_embeddings, dim);
+  weight = empty({num_embeddings, dim}, {.dtype = dtype});
+  normal_(weight, 0.0, 1.0);
+  register_parameter("weight", &weight);
+}
+
+Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
+
+LayerNorm::LayerNorm(std::int64_t dim, double eps, DType dtype) : eps(eps) {
+  weight = ones({dim}, {.dtype = dtype});
+  bias = zeros({dim}, {.dtype = dtype});
+  register_parameter("weight", &weight);
+  register_parameter("bias", &bias);
+}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  return layer_norm(x, {weight.shape()[0]}, weight, bias, eps);
+}
+
+Tensor Dropout::forward(const Tensor& x) { return is_training() ? dropout(x, p) : x; }
+
+Conv2d::Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t kernel_size,
+               Conv2dLayerOptions options)
+    : conv{.stride = options.stride, .padding = options.padding} {
+  MB_CHECK(in_channels > 0 && out_channels > 0 && kernel_size > 0,
+           "[Conv2d] sizes must be positive, got in {}, out {}, kernel {}", in_channels, out_channels,
+           kernel_size);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in_channels * kernel_size * kernel_size));
+  weight = empty({out_channels, in_channels, kernel_size, kernel_size});
+  uniform_(weight, -bound, bound);
+  register_parameter("weight", &weight);
+  if (options.bias) {
+    bias = empty({out_channels});
+    uniform_(bias, -bound, bound);
+    register_parameter("bias", &bias);
+  }
+}
+
+Tensor Conv2d::forward(const Tensor& x) { return conv2d(x, weight, bias, conv); }
+
+Sequential::Sequential(std::vector<std::shared_ptr<Layer>> layers) {
+  for (auto& l : layers) push_back(std::move(l));
+}
+
+void Sequential::push_back(std::shared_ptr<Layer> layer) {
+  register_module(std::to_string(layers_.size()), layer);
+  layers_.push_back(std::move(layer));
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor h = x;
+  for (auto& l : layers_) h = l->forward(h);
+  return h;
+}
+
+}  // namespace microbatch::nn

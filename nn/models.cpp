@@ -1,0 +1,153 @@
+#include "nn/models.h"
+
+#include <cmath>
+
+namespace microbatch::nn {
+
+std::int64_t Model::count_loss_items(const Tensor& labels) const {
+  return labels.dim() == 0 ? 1 : labels.shape()[0];
+}
+
+// ---- MLP ---------------------------------------------------------------------------------------
+
+MLP::MLP(MLPConfig cfg) : config(std::move(cfg)) {
+  net = register_module("net", std::make_shared<Sequential>());
+  net->push_back(std::make_shared<Flatten>());
+  std::int64_t width = config.in_features;
+  for (std::int64_t h : config.hidden) {
+    net->push_back(std::make_shared<Linear>(width, h));
+    net->push_back(std::make_shared<ReLU>());
+    if (config.dropout > 0) net->push_back(std::make_shared<Dropout>(config.dropout));
+    width = h;
+  }
+  net->push_back(std::make_shared<Linear>(width, config.num_classes));
+}
+
+namespace {
+ModelOutput classify(Sequential& net, const Tensor& inputs, const Tensor& labels) {
+  ModelOutput out;
+  out.logits = net.forward(inputs);
+  if (labels.defined()) out.loss = cross_entropy(out.logits, labels);
+  return out;
+}
+}  // namespace
+
+ModelOutput MLP::forward(const Tensor& inputs, const Tensor& labels) { return classify(*net, inputs, labels); }
+
+// ---- CNN ---------------------------------------------------------------------------------------
+
+CNN::CNN(CNNConfig cfg) : config(cfg) {
+  net = register_module("net", std::make_shared<Sequential>());
+  net->push_back(std::make_shared<Conv2d>(config.in_channels, config.channels1, 3, Conv2dLayerOptions{.padding = 1}));
+  net->push_back(std::make_shared<ReLU>());
+  net->push_back(std::make_shared<MaxPool2d>(MaxPool2dOptions{.kernel_size = 2}));
+  net->push_back(std::make_shared<Conv2d>(config.channels1, config.channels2, 3, Conv2dLayerOptions{.padding = 1}));
+  net->push_back(std::make_shared<ReLU>());
+  net->push_back(std::make_shared<MaxPool2d>(MaxPool2dOptions{.kernel_size = 2}));
+  net->push_back(std::make_shared<Flatten>());
+  const std::int64_t side = config.image_size / 4;
+  net->push_back(std::make_shared<Linear>(config.channels2 * side * side, config.hidden));
+  net->push_back(std::make_shared<ReLU>());
+  if (config.dropout > 0) net->push_back(std::make_shared<Dropout>(config.dropout));
+  net->push_back(std::make_shared<Linear>(config.hidden, config.num_classes));
+}
+
+ModelOutput CNN::forward(const Tensor& inputs, const Tensor& labels) {
+  Tensor x = inputs.dim() == 3 ? inputs.unsqueeze(1) : inputs;  // (N, 28, 28) -> (N, 1, 28, 28)
+  return classify(*net, x, labels);
+}
+
+// ---- GPT ---------------------------------------------------------------------------------------
+
+CausalSelfAttention::CausalSelfAttention(const GPTConfig& config)
+    : n_head(config.n_head), dropout(config.dropout) {
+  MB_CHECK(config.n_embd % config.n_head == 0, "[GPT] n_embd {} is not divisible by n_head {}",
+           config.n_embd, config.n_head);
+  c_attn = register_module("c_attn", std::make_shared<Linear>(config.n_embd, 3 * config.n_embd));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(config.n_embd, config.n_embd));
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  const std::int64_t B = x.shape()[0], T = x.shape()[1], C = x.shape()[2], D = C / n_head;
+  Tensor qkv = c_attn->forward(x);  // (B, T, 3C)
+  auto head = [&](int i) {          // (B, H, T, D)
+    return qkv.slice(2, i * C, (i + 1) * C).reshape({B, T, n_head, D}).transpose(1, 2);
+  };
+  Tensor y = scaled_dot_product_attention(head(0), head(1), head(2),
+                                          {.causal = true, .dropout_p = is_training() ? dropout : 0.0});
+  y = y.transpose(1, 2).reshape({B, T, C});
+  return c_proj->forward(y);
+}
+
+Block::Block(const GPTConfig& config) {
+  ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(config.n_embd));
+  attn = register_module("attn", std::make_shared<CausalSelfAttention>(config));
+  ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(config.n_embd));
+  c_fc = register_module("c_fc", std::make_shared<Linear>(config.n_embd, 4 * config.n_embd));
+  c_proj = register_module("c_proj", std::make_shared<Linear>(4 * config.n_embd, config.n_embd));
+  drop = register_module("drop", std::make_shared<Dropout>(config.dropout));
+}
+
+Tensor Block::forward(const Tensor& x) {
+  Tensor h = x + drop->forward(attn->forward(ln_1->forward(x)));
+  Tensor m = c_proj->forward(gelu(c_fc->forward(ln_2->forward(h)), GeluApproximate::Tanh));
+  return h + drop->forward(m);
+}
+
+GPT::GPT(GPTConfig cfg) : config(cfg) {
+  wte = register_module("wte", std::make_shared<Embedding>(config.vocab_size, config.n_embd));
+  wpe = register_module("wpe", std::make_shared<Embedding>(config.block_size, config.n_embd));
+  drop = register_module("drop", std::make_shared<Dropout>(config.dropout));
+  for (std::int64_t i = 0; i < config.n_layer; ++i) {
+    blocks.push_back(register_module("h." + std::to_string(i), std::make_shared<Block>(config)));
+  }
+  ln_f = register_module("ln_f", std::make_shared<LayerNorm>(config.n_embd));
+  // GPT-2 initialization.
+  const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config.n_layer));
+  normal_(wte->weight, 0.0, 0.02);
+  normal_(wpe->weight, 0.0, 0.02);
+  for (auto& b : blocks) {
+    normal_(b->attn->c_attn->weight, 0.0, 0.02);
+    normal_(b->attn->c_proj->weight, 0.0, residual_std);
+    normal_(b->c_fc->weight, 0.0, 0.02);
+    normal_(b->c_proj->weight, 0.0, residual_std);
+    for (Tensor* bias : {&b->attn->c_attn->bias, &b->attn->c_proj->bias, &b->c_fc->bias, &b->c_proj->bias}) {
+      NoGradGuard no_grad;
+      bias->zero_();
+    }
+  }
+}
+
+ModelOutput GPT::forward(const Tensor& inputs, const Tensor& labels) {
+  MB_CHECK(inputs.dim() == 2, "[GPT] inputs must be (B, T) token ids, got {}", shape_str(inputs.shape()));
+  const std::int64_t B = inputs.shape()[0], T = inputs.shape()[1];
+  MB_CHECK(T <= config.block_size, "[GPT] sequence length {} exceeds block_size {}", T, config.block_size);
+  Tensor pos = arange(0, static_cast<double>(T), 1, {.dtype = DType::i64, .device = inputs.device()});
+  Tensor x = drop->forward(wte->forward(inputs) + wpe->forward(pos));  // (B, T, C)
+  for (auto& block : blocks) {
+    if (config.gradient_checkpointing && is_training()) {
+      x = checkpoint([block](const Tensor& h) { return block->forward(h); }, x);
+    } else {
+      x = block->forward(x);
+    }
+  }
+  x = ln_f->forward(x);
+  ModelOutput out;
+  out.logits = linear(x, wte->weight);  // (B, T, V), the head tied to the token embedding
+  if (labels.defined()) {
+    MB_CHECK(labels.shape() == inputs.shape(), "[GPT] labels {} must match inputs {}",
+             shape_str(labels.shape()), shape_str(inputs.shape()));
+    out.loss = cross_entropy(out.logits.reshape({B * T, config.vocab_size}), labels.reshape({B * T}),
+                             {.ignore_index = config.ignore_index});
+  }
+  return out;
+}
+
+std::int64_t GPT::count_loss_items(const Tensor& labels) const {
+  return static_cast<std::int64_t>(sum(ne(labels, scalar_tensor(static_cast<double>(config.ignore_index),
+                                                                {.dtype = labels.dtype()}))
+                                           .to(DType::i64))
+                                       .item());
+}
+
+}  // namespace microbatch::nn

@@ -1,0 +1,110 @@
+// Models that return a loss and logits, as Hugging Face models do: MLP and CNN for 28x28 images,
+// and a GPT (GPT-2 architecture) for text.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "nn/layers.h"
+
+namespace microbatch::nn {
+
+/// What a model's forward returns; loss is undefined when no labels were given.
+struct ModelOutput {
+  Tensor loss;    // () mean over the loss-bearing items of the batch
+  Tensor logits;  // (N, classes) or (B, T, vocab)
+};
+
+/// A model trained by the framework: forward with optional labels, and a loss-item count.
+class Model : public Module {
+ public:
+  virtual ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) = 0;
+  ModelOutput operator()(const Tensor& inputs, const Tensor& labels = {}) { return forward(inputs, labels); }
+  /// Items that carry loss in `labels` (samples, or tokens != ignore_index): the weight of a
+  /// micro-batch in an accumulation window is its share of these.
+  virtual std::int64_t count_loss_items(const Tensor& labels) const;
+};
+
+struct MLPConfig {
+  std::int64_t in_features = 784;
+  std::vector<std::int64_t> hidden = {256, 128};
+  std::int64_t num_classes = 10;
+  double dropout = 0.0;
+};
+
+/// Flatten -> [Linear -> ReLU -> Dropout] per hidden width -> Linear; cross-entropy loss.
+class MLP : public Model {
+ public:
+  explicit MLP(MLPConfig config = {});
+  ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
+  MLPConfig config;
+  std::shared_ptr<Sequential> net;
+};
+
+struct CNNConfig {
+  std::int64_t in_channels = 1;
+  std::int64_t channels1 = 32;
+  std::int64_t channels2 = 64;
+  std::int64_t hidden = 128;
+  std::int64_t num_classes = 10;
+  std::int64_t image_size = 28;
+  double dropout = 0.0;
+};
+
+/// conv3x3 -> ReLU -> pool2 -> conv3x3 -> ReLU -> pool2 -> Linear -> ReLU -> Linear.
+class CNN : public Model {
+ public:
+  explicit CNN(CNNConfig config = {});
+  ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
+  CNNConfig config;
+  std::shared_ptr<Sequential> net;
+};
+
+struct GPTConfig {
+  std::int64_t vocab_size = 65;
+  std::int64_t block_size = 128;  // longest sequence
+  std::int64_t n_layer = 4;
+  std::int64_t n_head = 4;
+  std::int64_t n_embd = 128;
+  double dropout = 0.0;
+  bool gradient_checkpointing = false;  // recompute each block in backward
+  std::int64_t ignore_index = -100;
+};
+
+class CausalSelfAttention : public Module {
+ public:
+  explicit CausalSelfAttention(const GPTConfig& config);
+  Tensor forward(const Tensor& x);  // (B, T, C) -> (B, T, C)
+  std::shared_ptr<Linear> c_attn;  // (3C, C)
+  std::shared_ptr<Linear> c_proj;  // (C, C)
+  std::int64_t n_head;
+  double dropout;
+};
+
+class Block : public Module {
+ public:
+  explicit Block(const GPTConfig& config);
+  Tensor forward(const Tensor& x);  // (B, T, C) -> (B, T, C)
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<Linear> c_fc;    // (4C, C)
+  std::shared_ptr<Linear> c_proj;  // (C, 4C)
+  std::shared_ptr<Dropout> drop;
+};
+
+/// GPT-2: token + position embeddings, pre-LayerNorm blocks, final LayerNorm, head tied to wte.
+/// Initialized as GPT-2 (normal 0.02, residual projections 0.02 / sqrt(2 n_layer), zero biases).
+class GPT : public Model {
+ public:
+  explicit GPT(GPTConfig config = {});
+  /// inputs (B, T) token ids; labels (B, T) next-token ids or ignore_index.
+  ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
+  std::int64_t count_loss_items(const Tensor& labels) const override;
+  GPTConfig config;
+  std::shared_ptr<Embedding> wte, wpe;
+  std::vector<std::shared_ptr<Block>> blocks;
+  std::shared_ptr<LayerNorm> ln_f;
+  std::shared_ptr<Dropout> drop;
+};
+
+}  // namespace microbatch::nn

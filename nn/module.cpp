@@ -1,0 +1,157 @@
+#include "nn/module.h"
+
+#include <algorithm>
+
+namespace microbatch::nn {
+
+void Module::register_parameter(const std::string& name, Tensor* slot) {
+  MB_CHECK(slot->defined(), "[register_parameter] '{}' is undefined", name);
+  if (!slot->requires_grad()) slot->requires_grad_(true);
+  params_.emplace_back(name, slot);
+}
+
+void Module::register_buffer(const std::string& name, Tensor* slot) { buffers_.emplace_back(name, slot); }
+
+void Module::collect(const std::string& prefix, bool params,
+                     std::vector<std::pair<std::string, Tensor*>>& out,
+                     std::vector<const Tensor*>& seen) const {
+  for (const auto& [name, slot] : params ? params_ : buffers_) {
+    // A tied parameter (the GPT's embedding and head) is listed once, under its first name.
+    if (std::find(seen.begin(), seen.end(), slot) != seen.end()) continue;
+    const bool same_impl = std::any_of(seen.begin(), seen.end(), [&](const Tensor* s) {
+      return s->defined() && slot->defined() && s->impl() == slot->impl();
+    });
+    if (same_impl) continue;
+    seen.push_back(slot);
+    out.emplace_back(prefix + name, slot);
+  }
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, out, seen);
+}
+
+std::vector<std::pair<std::string, Tensor*>> Module::parameter_slots() {
+  std::vector<std::pair<std::string, Tensor*>> out;
+  std::vector<const Tensor*> seen;
+  collect("", true, out, seen);
+  return out;
+}
+
+NamedTensors Module::named_parameters() const {
+  std::vector<std::pair<std::string, Tensor*>> slots;
+  std::vector<const Tensor*> seen;
+  collect("", true, slots, seen);
+  NamedTensors out;
+  for (auto& [n, s] : slots) out.emplace_back(n, *s);
+  return out;
+}
+
+std::vector<Tensor> Module::parameters() const {
+  std::vector<Tensor> out;
+  for (auto& [n, t] : named_parameters()) out.push_back(t);
+  return out;
+}
+
+NamedTensors Module::named_buffers() const {
+  std::vector<std::pair<std::string, Tensor*>> slots;
+  std::vector<const Tensor*> seen;
+  collect("", false, slots, seen);
+  NamedTensors out;
+  for (auto& [n, s] : slots) out.emplace_back(n, *s);
+  return out;
+}
+
+std::int64_t Module::num_parameters() const {
+  std::int64_t n = 0;
+  for (auto& [name, t] : named_parameters()) n += t.numel();
+  return n;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (auto& [name, child] : children_) child->train(on);
+}
+
+StateDict Module::state_dict() const {
+  StateDict out;
+  for (auto& [n, t] : named_parameters()) out[n] = t.detach();
+  for (auto& [n, t] : named_buffers()) out[n] = t.detach();
+  return out;
+}
+
+void Module::load_state_dict(const StateDict& state, LoadMode mode) {
+  std::vector<std::pair<std::string, Tensor*>> slots;
+  std::vector<const Tensor*> seen;
+  collect("", true, slots, seen);
+  collect("", false, slots, seen);
+  std::size_t used = 0;
+  for (auto& [name, slot] : slots) {
+    auto it = state.find(name);
+    if (it == state.end()) {
+      MB_CHECK(mode == LoadMode::NonStrict, "[load_state_dict] missing key '{}'", name);
+      continue;
+    }
+    ++used;
+    MB_CHECK(it->second.shape() == slot->shape(), "[load_state_dict] '{}' has shape {}, the model expects {}",
+             name, shape_str(it->second.shape()), shape_str(slot->shape()));
+    NoGradGuard no_grad;
+    slot->copy_(it->second);
+  }
+  if (mode == LoadMode::Strict && used != state.size()) {
+    for (auto& [name, t] : state) {
+      bool known = std::any_of(slots.begin(), slots.end(), [&](auto& s) { return s.first == name; });
+      MB_CHECK(known, "[load_state_dict] unexpected key '{}'", name);
+    }
+  }
+}
+
+namespace {
+void move_slots(std::vector<std::pair<std::string, Tensor*>>& slots, Device device, std::optional<DType> dtype,
+                bool params) {
+  // Tied slots share one impl: convert it once and hand the same tensor to every slot.
+  std::vector<std::pair<TensorImpl*, Tensor>> done;
+  for (auto& [name, slot] : slots) {
+    auto it = std::find_if(done.begin(), done.end(), [&](auto& d) { return d.first == slot->impl(); });
+    if (it != done.end()) {
+      *slot = it->second;
+      continue;
+    }
+    TensorImpl* before = slot->impl();
+    const DType dt = dtype && is_floating(slot->dtype()) ? *dtype : slot->dtype();
+    Tensor moved;
+    {
+      NoGradGuard no_grad;
+      moved = slot->to(device, dt).detach();
+      if (moved.same_storage(*slot)) moved = moved.clone().detach();
+    }
+    if (params) moved.requires_grad_(true);
+    done.emplace_back(before, moved);
+    *slot = moved;
+  }
+}
+}  // namespace
+
+void Module::all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out) {
+  for (auto& slot : params ? params_ : buffers_) out.push_back(slot);
+  for (auto& [name, child] : children_) child->all_slots(params, out);
+}
+
+void Module::to(Device device) {
+  for (bool params : {true, false}) {
+    std::vector<std::pair<std::string, Tensor*>> slots;
+    all_slots(params, slots);
+    move_slots(slots, device, std::nullopt, params);
+  }
+}
+
+void Module::to(DType dtype) {
+  for (bool params : {true, false}) {
+    std::vector<std::pair<std::string, Tensor*>> slots;
+    all_slots(params, slots);
+    if (!slots.empty()) move_slots(slots, slots[0].second->device(), dtype, params);
+  }
+}
+
+void Module::zero_grad() {
+  for (auto& [n, t] : named_parameters()) t.set_grad({});
+}
+
+}  // namespace microbatch::nn

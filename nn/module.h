@@ -1,0 +1,78 @@
+// Module: named parameters, buffers and sub-modules, train/eval mode, state_dict, device moves.
+// A module registers pointers to its own Tensor members, so moving it (to(), or into a flat
+// parameter arena) rewrites the members in place and layers keep using plain fields.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/ops.h"
+
+namespace microbatch::nn {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+using StateDict = std::map<std::string, Tensor>;
+
+enum class LoadMode { Strict, NonStrict };
+
+class Module {
+ public:
+  virtual ~Module() = default;
+  Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// Parameters with dotted names ("blocks.0.attn.weight"), in registration order, each once.
+  NamedTensors named_parameters() const;
+  std::vector<Tensor> parameters() const;
+  NamedTensors named_buffers() const;
+  /// Every registered Tensor slot with its name (parameters and buffers), for whole-model rewrites.
+  std::vector<std::pair<std::string, Tensor*>> parameter_slots();
+  std::int64_t num_parameters() const;
+
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  /// Copies of nothing: the live parameter and buffer tensors by name (detached).
+  StateDict state_dict() const;
+  /// Copies values in (shapes must match; dtype is converted). Strict: names must match exactly.
+  void load_state_dict(const StateDict& state, LoadMode mode = LoadMode::Strict);
+  /// Moves (or casts) every parameter and buffer; parameters stay leaves requiring grad.
+  void to(Device device);
+  void to(DType dtype);
+  void zero_grad();
+
+ protected:
+  /// Registers a member tensor as a parameter (requires grad).
+  void register_parameter(const std::string& name, Tensor* slot);
+  void register_buffer(const std::string& name, Tensor* slot);
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    children_.emplace_back(name, module);
+    return module;
+  }
+
+ private:
+  // Every slot of this module and its children, tied ones included (for moves).
+  void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
+  void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,
+               std::vector<const Tensor*>& seen) const;
+
+  std::vector<std::pair<std::string, Tensor*>> params_;
+  std::vector<std::pair<std::string, Tensor*>> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+/// A module with one tensor in and one tensor out, so it can sit in a Sequential.
+class Layer : public Module {
+ public:
+  virtual Tensor forward(const Tensor& x) = 0;
+  Tensor operator()(const Tensor& x) { return forward(x); }
+};
+
+}  // namespace microbatch::nn

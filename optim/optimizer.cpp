@@ -1,0 +1,108 @@
+#include "optim/optimizer.h"
+
+#include "kernels/optim.h"
+
+namespace microbatch::optim {
+
+namespace {
+DType state_dtype(const ParamStore& store) {
+  return store.weights().dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+void check_cpu(const ParamStore& store, const char* op) {
+  MB_CHECK(store.weights().device().is_cpu(), "[{}] has no {} kernel in this build yet", op,
+           store.weights().device().str());
+}
+
+Tensor state_tensor(const std::map<std::string, Tensor>& state, const std::string& name, const Tensor& like,
+                    const char* op) {
+  auto it = state.find(name);
+  MB_CHECK(it != state.end(), "[{}] state has no '{}'", op, name);
+  MB_CHECK(it->second.shape() == like.shape(), "[{}] state '{}' has shape {}, expected {}", op, name,
+           shape_str(it->second.shape()), shape_str(like.shape()));
+  return it->second;
+}
+}  // namespace
+
+AdamW::AdamW(ParamStore& store, AdamWConfig config) : Optimizer(store), config_(config) {
+  MB_CHECK(config.lr >= 0, "[AdamW] lr must be >= 0, got {}", config.lr);
+  MB_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
+           "[AdamW] betas must be in [0, 1), got ({}, {})", config.beta1, config.beta2);
+  MB_CHECK(config.eps >= 0, "[AdamW] eps must be >= 0, got {}", config.eps);
+  const TensorOptions opts{.dtype = state_dtype(store), .device = store.weights().device()};
+  exp_avg_ = zeros({store.numel()}, opts);
+  exp_avg_sq_ = zeros({store.numel()}, opts);
+}
+
+void AdamW::step(StepOptions options) {
+  check_cpu(store_, "AdamW");
+  ++step_count_;
+  kernels::AdamWArgs args{.lr = config_.lr,
+                          .beta1 = config_.beta1,
+                          .beta2 = config_.beta2,
+                          .eps = config_.eps,
+                          .weight_decay = config_.weight_decay,
+                          .step = step_count_,
+                          .grad_scale = options.grad_scale,
+                          .decay_end = store_.decay_numel()};
+  kernels::cpu::adamw(store_.weights().kview(), store_.grads().kview(), exp_avg_.kview(),
+                      exp_avg_sq_.kview(), args);
+  store_.weights().bump_version();
+}
+
+std::map<std::string, Tensor> AdamW::state_dict() const {
+  return {{"exp_avg", exp_avg_},
+          {"exp_avg_sq", exp_avg_sq_},
+          {"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})}};
+}
+
+void AdamW::load_state_dict(const std::map<std::string, Tensor>& state) {
+  NoGradGuard no_grad;
+  exp_avg_.copy_(state_tensor(state, "exp_avg", exp_avg_, "AdamW"));
+  exp_avg_sq_.copy_(state_tensor(state, "exp_avg_sq", exp_avg_sq_, "AdamW"));
+  auto it = state.find("step");
+  MB_CHECK(it != state.end(), "[AdamW] state has no 'step'");
+  step_count_ = static_cast<std::int64_t>(it->second.item());
+}
+
+SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config) {
+  MB_CHECK(config.lr >= 0, "[SGD] lr must be >= 0, got {}", config.lr);
+  MB_CHECK(!config.nesterov || (config.momentum > 0 && config.dampening == 0),
+           "[SGD] Nesterov momentum needs momentum > 0 and dampening 0");
+  if (config.momentum != 0.0) {
+    momentum_buffer_ = zeros({store.numel()}, {.dtype = state_dtype(store), .device = store.weights().device()});
+  }
+}
+
+void SGD::step(StepOptions options) {
+  check_cpu(store_, "SGD");
+  kernels::SGDArgs args{.lr = config_.lr,
+                        .momentum = config_.momentum,
+                        .dampening = config_.dampening,
+                        .weight_decay = config_.weight_decay,
+                        .nesterov = config_.nesterov,
+                        .first_step = step_count_ == 0,
+                        .grad_scale = options.grad_scale,
+                        .decay_end = store_.decay_numel()};
+  kernels::StridedView buffer = momentum_buffer_.defined() ? momentum_buffer_.kview() : kernels::StridedView{};
+  kernels::cpu::sgd(store_.weights().kview(), store_.grads().kview(), buffer, args);
+  store_.weights().bump_version();
+  ++step_count_;
+}
+
+std::map<std::string, Tensor> SGD::state_dict() const {
+  std::map<std::string, Tensor> out{{"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})}};
+  if (momentum_buffer_.defined()) out["momentum_buffer"] = momentum_buffer_;
+  return out;
+}
+
+void SGD::load_state_dict(const std::map<std::string, Tensor>& state) {
+  NoGradGuard no_grad;
+  if (momentum_buffer_.defined())
+    momentum_buffer_.copy_(state_tensor(state, "momentum_buffer", momentum_buffer_, "SGD"));
+  auto it = state.find("step");
+  MB_CHECK(it != state.end(), "[SGD] state has no 'step'");
+  step_count_ = static_cast<std::int64_t>(it->second.item());
+}
+
+}  // namespace microbatch::optim

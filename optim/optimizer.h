@@ -1,0 +1,88 @@
+// Optimizers over a ParamStore: each step is one fused pass over the whole arena.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "optim/param_store.h"
+
+namespace microbatch::optim {
+
+/// Per-step inputs that the caller computes at the window's boundary.
+struct StepOptions {
+  double grad_scale = 1.0;  // multiplies every gradient: 1 / loss_scale * clip_coef
+};
+
+class Optimizer {
+ public:
+  explicit Optimizer(ParamStore& store) : store_(store) {}
+  virtual ~Optimizer() = default;
+  /// One update from the gradients in the store.
+  virtual void step(StepOptions options = {}) = 0;
+  void zero_grad() { store_.zero_grad(); }
+  virtual double lr() const = 0;
+  virtual void set_lr(double lr) = 0;
+  /// Steps actually taken.
+  std::int64_t step_count() const { return step_count_; }
+  /// The state (moments, step count) as named tensors, for checkpoints.
+  virtual std::map<std::string, Tensor> state_dict() const = 0;
+  virtual void load_state_dict(const std::map<std::string, Tensor>& state) = 0;
+  ParamStore& store() { return store_; }
+
+ protected:
+  ParamStore& store_;
+  std::int64_t step_count_ = 0;
+};
+
+/// torch.optim.AdamW defaults.
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+};
+
+/// Decoupled weight decay Adam, as torch.optim.AdamW, over the decay range of the store.
+class AdamW final : public Optimizer {
+ public:
+  AdamW(ParamStore& store, AdamWConfig config = {});
+  void step(StepOptions options = {}) override;
+  double lr() const override { return config_.lr; }
+  void set_lr(double lr) override { config_.lr = lr; }
+  std::map<std::string, Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, Tensor>& state) override;
+  const AdamWConfig& config() const { return config_; }
+  std::size_t state_bytes() const { return exp_avg_.nbytes() + exp_avg_sq_.nbytes(); }
+
+ private:
+  AdamWConfig config_;
+  Tensor exp_avg_;     // (numel) f32 (f64 for f64 weights)
+  Tensor exp_avg_sq_;  // (numel)
+};
+
+/// torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay added to the gradient).
+struct SGDConfig {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+};
+
+class SGD final : public Optimizer {
+ public:
+  SGD(ParamStore& store, SGDConfig config = {});
+  void step(StepOptions options = {}) override;
+  double lr() const override { return config_.lr; }
+  void set_lr(double lr) override { config_.lr = lr; }
+  std::map<std::string, Tensor> state_dict() const override;
+  void load_state_dict(const std::map<std::string, Tensor>& state) override;
+
+ private:
+  SGDConfig config_;
+  Tensor momentum_buffer_;  // (numel), only with momentum
+};
+
+}  // namespace microbatch::optim

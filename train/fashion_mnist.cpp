@@ -1,0 +1,211 @@
+// Fashion-MNIST reader: IDX files through zlib, every header field checked before it sizes a read.
+//
+// IDX layout (big-endian): magic = 0, 0, type (0x08 = u8), ndim; ndim u32 dims; then the data.
+// Images are (N, 28, 28) with magic 0x00000803, labels (N) with magic 0x00000801.
+#include "train/fashion_mnist.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <zlib.h>
+
+namespace microbatch::train {
+
+namespace {
+
+constexpr std::uint32_t kGzipMagic = 0x1F8B0808;  // gzip id bytes, deflate, FNAME flag
+// Images and labels together stay below 4 GiB, and no count read from a file sizes more than that.
+constexpr std::uint64_t kMaxItems = (std::uint64_t{1} << 32) / (28 * 28);
+
+std::uint32_t read_be32(const std::uint8_t* p) {
+  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+         std::uint32_t{p[3]};
+}
+
+std::uint32_t byte_swap(std::uint32_t x) {
+  return (x >> 24) | ((x >> 8) & 0xFF00u) | ((x << 8) & 0xFF0000u) | (x << 24);
+}
+
+const char* idx_type_name(std::uint8_t type) {
+  switch (type) {
+    case 0x08: return "u8";
+    case 0x09: return "i8";
+    case 0x0B: return "i16";
+    case 0x0C: return "i32";
+    case 0x0D: return "f32";
+    case 0x0E: return "f64";
+    default: return "unknown";
+  }
+}
+
+// A gzip-compressed or plain file; gzread passes plain files through unchanged.
+class GzReader {
+ public:
+  explicit GzReader(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+    MB_CHECK(file_ != nullptr, "[FashionMNIST] cannot open {}: {}", path, std::strerror(errno));
+    gzbuffer(file_, 1 << 17);
+  }
+  ~GzReader() { gzclose(file_); }
+  GzReader(const GzReader&) = delete;
+  GzReader& operator=(const GzReader&) = delete;
+
+  /// Reads up to n bytes into dst; fewer only at the end of the data.
+  std::size_t read(void* dst, std::size_t n) {
+    std::size_t total = 0;
+    while (total < n) {
+      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(n - total, 1u << 30));
+      const int got = gzread(file_, static_cast<char*>(dst) + total, chunk);
+      if (got <= 0) {
+        // A gzip stream cut short reports itself here rather than as a short IDX file.
+        int errnum = 0;
+        const char* msg = gzerror(file_, &errnum);
+        MB_CHECK(got == 0 && (errnum == Z_OK || errnum == Z_STREAM_END),
+                 "[FashionMNIST] {}: read failed after {} bytes: {}", path_, offset_ + total,
+                 strip_path(msg));
+        break;
+      }
+      total += static_cast<std::size_t>(got);
+    }
+    offset_ += total;
+    return total;
+  }
+
+ private:
+  // gzerror prefixes its message with the path, which our message already names.
+  std::string strip_path(const char* msg) const {
+    std::string m = msg ? msg : "unknown zlib error";
+    const std::string prefix = path_ + ": ";
+    return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
+  }
+
+  std::string path_;
+  gzFile file_;
+  std::size_t offset_ = 0;  // decompressed bytes read so far
+};
+
+struct IdxData {
+  std::vector<std::uint32_t> dims;
+  std::vector<std::uint8_t> bytes;
+};
+
+// Reads a u8 IDX file of `ndim` dimensions, rejecting anything that is not exactly that.
+IdxData read_idx_u8(const std::string& path, std::uint8_t ndim, const char* kind) {
+  GzReader in(path);
+  const std::uint32_t expected_magic = 0x00000800u | ndim;
+  std::uint8_t head[4] = {};
+  std::size_t got = in.read(head, 4);
+  MB_CHECK(got == 4, "[FashionMNIST] {}: truncated: expected at least 4 bytes of IDX magic, got {}",
+           path, got);
+  const std::uint32_t magic = read_be32(head);
+  MB_CHECK((magic >> 16) != (kGzipMagic >> 16),
+           "[FashionMNIST] {}: magic 0x{:08X} is a gzip header read as IDX data (the file is "
+           "compressed twice)", path, magic);
+  MB_CHECK(magic == expected_magic || byte_swap(magic) != expected_magic,
+           "[FashionMNIST] {}: magic 0x{:08X} is the IDX magic 0x{:08X} byte-swapped (written "
+           "little-endian); such files are rejected, not reinterpreted", path, magic, expected_magic);
+  MB_CHECK(head[0] == 0 && head[1] == 0,
+           "[FashionMNIST] {}: not an IDX file: magic 0x{:08X}, expected 0x{:08X} ({})", path, magic,
+           expected_magic, kind);
+  MB_CHECK(head[2] == 0x08,
+           "[FashionMNIST] {}: IDX data type 0x{:02X} ({}), expected 0x08 (u8) for {}", path, head[2],
+           idx_type_name(head[2]), kind);
+  MB_CHECK(head[3] == ndim, "[FashionMNIST] {}: magic 0x{:08X} has {} dimensions, expected {} for {}",
+           path, magic, head[3], ndim, kind);
+
+  const std::size_t header_bytes = 4 + 4 * std::size_t{ndim};
+  std::uint8_t raw_dims[16] = {};
+  got = in.read(raw_dims, 4 * std::size_t{ndim});
+  MB_CHECK(got == 4 * std::size_t{ndim},
+           "[FashionMNIST] {}: truncated: expected at least {} bytes of IDX header, got {}", path,
+           header_bytes, 4 + got);
+  IdxData idx;
+  for (std::uint8_t d = 0; d < ndim; ++d) idx.dims.push_back(read_be32(raw_dims + 4 * d));
+  MB_CHECK(idx.dims[0] >= 1 && idx.dims[0] <= kMaxItems,
+           "[FashionMNIST] {}: item count {} outside 1..{}", path, idx.dims[0], kMaxItems);
+  if (ndim == 3) {
+    MB_CHECK(idx.dims[1] == FashionMNIST::kRows && idx.dims[2] == FashionMNIST::kCols,
+             "[FashionMNIST] {}: images are {}x{}, expected {}x{}", path, idx.dims[1], idx.dims[2],
+             FashionMNIST::kRows, FashionMNIST::kCols);
+  }
+  // Every dim is now bounded (count <= kMaxItems, 28 x 28), so the product cannot wrap.
+  std::uint64_t numel = 1;
+  for (std::uint32_t dim : idx.dims) numel *= dim;
+
+  idx.bytes.resize(static_cast<std::size_t>(numel));
+  got = in.read(idx.bytes.data(), idx.bytes.size());
+  MB_CHECK(got == idx.bytes.size(), "[FashionMNIST] {}: truncated: expected {} bytes, got {}", path,
+           header_bytes + idx.bytes.size(), header_bytes + got);
+  std::uint8_t extra = 0;
+  MB_CHECK(in.read(&extra, 1) == 0,
+           "[FashionMNIST] {}: trailing bytes after the {} bytes that the IDX header describes", path,
+           header_bytes + idx.bytes.size());
+  return idx;
+}
+
+// `name`.gz if it exists, else `name` uncompressed.
+std::string find_file(const std::string& root, const std::string& name) {
+  namespace fs = std::filesystem;
+  const fs::path gz = fs::path(root) / (name + ".gz");
+  const fs::path plain = fs::path(root) / name;
+  std::error_code ec;
+  if (fs::exists(gz, ec)) return gz.string();
+  if (fs::exists(plain, ec)) return plain.string();
+  MB_CHECK(false,
+           "[FashionMNIST] missing {} (or {} uncompressed); install Debian's dataset-fashion-mnist "
+           "or pass the folder that holds the IDX files", gz.string(), plain.string());
+  return {};
+}
+
+}  // namespace
+
+FashionMNIST::FashionMNIST(const std::string& root, Split split) {
+  MB_CHECK(split == Split::Train || split == Split::Test,
+           "[FashionMNIST] has no {} split; use Split::Train or Split::Test", split_name(split));
+  const std::string prefix = split == Split::Train ? "train" : "t10k";
+  images_path_ = find_file(root, prefix + "-images-idx3-ubyte");
+  labels_path_ = find_file(root, prefix + "-labels-idx1-ubyte");
+
+  IdxData images = read_idx_u8(images_path_, 3, "images");
+  IdxData labels = read_idx_u8(labels_path_, 1, "labels");
+  MB_CHECK(images.dims[0] == labels.dims[0],
+           "[FashionMNIST] {} holds {} images but {} holds {} labels", images_path_, images.dims[0],
+           labels_path_, labels.dims[0]);
+  for (std::size_t i = 0; i < labels.bytes.size(); ++i) {
+    MB_CHECK(labels.bytes[i] < kNumClasses, "[FashionMNIST] {}: label {} at index {} outside 0..{}",
+             labels_path_, labels.bytes[i], i, kNumClasses - 1);
+  }
+  images_ = std::move(images.bytes);
+  labels_ = std::move(labels.bytes);
+}
+
+Example FashionMNIST::get(std::int64_t index) const {
+  check_index(index, "FashionMNIST");
+  Tensor input = empty({kRows, kCols});  // (28, 28) f32
+  float* dst = input.data<float>();
+  const std::uint8_t* src = pixels(index);
+  // A division, not a multiplication by 1/255, so that 255 maps to exactly 1.0f.
+  for (std::int64_t i = 0; i < kRows * kCols; ++i) dst[i] = static_cast<float>(src[i]) / 255.0f;
+  return {input, scalar_tensor(static_cast<double>(labels_[static_cast<std::size_t>(index)]),
+                               {.dtype = DType::i64})};
+}
+
+std::int64_t FashionMNIST::label(std::int64_t index) const {
+  check_index(index, "FashionMNIST");
+  return labels_[static_cast<std::size_t>(index)];
+}
+
+const std::uint8_t* FashionMNIST::pixels(std::int64_t index) const {
+  check_index(index, "FashionMNIST");
+  return images_.data() + static_cast<std::size_t>(index * kRows * kCols);
+}
+
+const std::array<const char*, 10>& FashionMNIST::class_names() {
+  static const std::array<const char*, 10> names = {"T-shirt/top", "Trouser", "Pullover", "Dress",
+                                                    "Coat",        "Sandal",  "Shirt",    "Sneaker",
+                                                    "Bag",         "Ankle boot"};
+  return names;
+}
+
+}  // namespace microbatch::train
