@@ -36,10 +36,12 @@ struct GeluErf {
     return T(0.5) * x * (T(1) + std::erf(x * T(kInvSqrt2)));
   }
 };
+// 0.5 x (1 + tanh(u)) = x * sigmoid(2u): one exp instead of a tanh (several times cheaper on a
+// CPU), and no cancellation in 1 + tanh(u) for large negative u.
 struct GeluTanh {
   template <class T> MB_HOST_DEVICE T operator()(T x) const {
     T u = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x * x * x);
-    return T(0.5) * x * (T(1) + std::tanh(u));
+    return x * Sigmoid{}(T(2) * u);
   }
 };
 struct Silu {
@@ -78,13 +80,13 @@ struct GeluErfBackward {  // (x, dy)
     return dy * (cdf + x * pdf);
   }
 };
-struct GeluTanhBackward {  // (x, dy)
+struct GeluTanhBackward {  // (x, dy); with s = sigmoid(2u): 0.5 (1 + tanh u) = s, 1 - tanh^2 u = 4 s (1 - s)
   template <class T> MB_HOST_DEVICE T operator()(T x, T dy) const {
     T x2 = x * x;
     T u = T(kSqrt2OverPi) * (x + T(kGeluCoeff) * x2 * x);
-    T t = std::tanh(u);
+    T s = Sigmoid{}(T(2) * u);
     T du = T(kSqrt2OverPi) * (T(1) + T(3.0 * kGeluCoeff) * x2);
-    return dy * (T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * du);
+    return dy * (s + T(2) * x * s * (T(1) - s) * du);
   }
 };
 struct SiluBackward {  // (x, dy)

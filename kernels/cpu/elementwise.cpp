@@ -11,6 +11,8 @@ namespace microbatch::kernels::cpu {
 
 namespace {
 
+constexpr std::int64_t kParallelElements = 1 << 15;
+
 // Calls f(offsets) for every index of views[0]'s shape, offsets[k] in elements of views[k].
 template <int N, class F>
 void for_each(const StridedView* const (&views)[N], F&& f) {
@@ -21,9 +23,13 @@ void for_each(const StridedView* const (&views)[N], F&& f) {
   for (int k = 0; k < N; ++k) contiguous = contiguous && views[k]->is_contiguous();
   std::int64_t off[N];
   if (contiguous) {
+    // Large contiguous loops are split across threads (each element is written by one thread, so
+    // results do not depend on the thread count).
+#pragma omp parallel for schedule(static) if (n >= kParallelElements)
     for (std::int64_t i = 0; i < n; ++i) {
-      for (int k = 0; k < N; ++k) off[k] = i;
-      f(off);
+      std::int64_t o[N];
+      for (int k = 0; k < N; ++k) o[k] = i;
+      f(o);
     }
     return;
   }
@@ -205,8 +211,14 @@ template <class F>
 void fill_indexed(const StridedView& out, F f) {
   dispatch_float(out.dtype, "rand", [&]<class T>() {
     T* o = out.ptr<T>();
-    std::int64_t i = 0;
     const StridedView* views[1] = {&out};
+    if (out.is_contiguous()) {  // the offset is the row-major index; the loop may run in parallel
+      for_each(views, [&](const std::int64_t* off) {
+        o[off[0]] = static_cast<T>(static_cast<compute_t<T>>(f(off[0])));
+      });
+      return;
+    }
+    std::int64_t i = 0;  // strided: for_each walks row-major order on one thread
     for_each(views, [&](const std::int64_t* off) {
       o[off[0]] = static_cast<T>(static_cast<compute_t<T>>(f(i)));
       ++i;
