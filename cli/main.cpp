@@ -1,81 +1,111 @@
-// The `microbatch` command: train, and check-accumulation. Flags carry Hugging Face
-// TrainingArguments names, accepted with dashes or underscores.
+// The `microbatch` command: train, plan, and check-accumulation. Training flags carry Hugging Face
+// TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads them
+// from a file first, and flags given on the command line win.
 #include <CLI/CLI.hpp>
 
-#include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 
 #include "nn/models.h"
 #include "train/accumulation_check.h"
 #include "train/fashion_mnist.h"
-#include "train/fit.h"
 #include "train/text.h"
+#include "train/trainer.h"
 
 namespace mb = microbatch;
 
 namespace {
 
 // "--per-device-train-batch-size,--per_device_train_batch_size"
-std::string both_spellings(const std::string& dashed) {
-  std::string underscored = dashed;
-  for (std::size_t i = 2; i < underscored.size(); ++i)
-    if (underscored[i] == '-') underscored[i] = '_';
+std::string both_spellings(const std::string& name) {
+  std::string dashed = "--" + name;
+  for (char& c : dashed) c = c == '_' ? '-' : c;
+  std::string underscored = "--" + name;
   return underscored == dashed ? dashed : dashed + "," + underscored;
 }
 
-struct TrainOptions {
+// The command's own defaults: a useful first run rather than Hugging Face's fine-tuning values.
+mb::train::TrainingArguments command_defaults() {
+  return {.output_dir = "runs/microbatch",
+          .per_device_train_batch_size = 64,
+          .per_device_eval_batch_size = 256,
+          .num_train_epochs = 5,
+          .learning_rate = 1e-3,
+          .logging_steps = 100,
+          .eval_strategy = "epoch"};
+}
+
+struct Options {
   std::string model = "mlp";
   std::string data;
-  mb::train::TrainingArguments args{.per_device_train_batch_size = 64,
-                                    .num_train_epochs = 5,
-                                    .learning_rate = 1e-3,
-                                    .logging_steps = 100,
-                                    .eval_strategy = "epoch"};
+  std::string config;
+  std::map<std::string, std::string> given;  // TrainingArguments given as flags, as text
+  bool gradient_checkpointing = false;
+  bool json = false;
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
   double dropout = 0.0;
 };
 
-void add_train_flags(CLI::App& cmd, TrainOptions& o) {
-  auto& a = o.args;
+void add_model_flags(CLI::App& cmd, Options& o) {
   cmd.add_option("--model", o.model, "mlp, cnn or gpt")->check(CLI::IsMember({"mlp", "cnn", "gpt"}));
   cmd.add_option("--data", o.data,
                  "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
-                 "text file (gpt)");
-  cmd.add_option(both_spellings("--output-dir"), a.output_dir);
-  cmd.add_option(both_spellings("--per-device-train-batch-size"), a.per_device_train_batch_size);
-  cmd.add_option(both_spellings("--per-device-eval-batch-size"), a.per_device_eval_batch_size);
-  cmd.add_option(both_spellings("--gradient-accumulation-steps"), a.gradient_accumulation_steps);
-  cmd.add_option(both_spellings("--num-train-epochs"), a.num_train_epochs);
-  cmd.add_option(both_spellings("--max-steps"), a.max_steps);
-  cmd.add_option(both_spellings("--learning-rate"), a.learning_rate);
-  cmd.add_option(both_spellings("--weight-decay"), a.weight_decay);
-  cmd.add_option(both_spellings("--adam-beta1"), a.adam_beta1);
-  cmd.add_option(both_spellings("--adam-beta2"), a.adam_beta2);
-  cmd.add_option(both_spellings("--adam-epsilon"), a.adam_epsilon);
-  cmd.add_option(both_spellings("--max-grad-norm"), a.max_grad_norm);
-  cmd.add_option(both_spellings("--lr-scheduler-type"), a.lr_scheduler_type);
-  cmd.add_option(both_spellings("--warmup-steps"), a.warmup_steps);
-  cmd.add_option(both_spellings("--warmup-ratio"), a.warmup_ratio);
-  cmd.add_option(both_spellings("--logging-steps"), a.logging_steps);
-  cmd.add_option(both_spellings("--eval-strategy"), a.eval_strategy);
-  cmd.add_option(both_spellings("--eval-steps"), a.eval_steps);
-  cmd.add_option("--seed", a.seed);
-  cmd.add_flag("--json", a.json, "print one JSON object per log line");
-  cmd.add_option(both_spellings("--block-size"), o.gpt.block_size, "gpt: sequence length");
-  cmd.add_option(both_spellings("--n-layer"), o.gpt.n_layer, "gpt: blocks");
-  cmd.add_option(both_spellings("--n-head"), o.gpt.n_head, "gpt: attention heads");
-  cmd.add_option(both_spellings("--n-embd"), o.gpt.n_embd, "gpt: width");
-  cmd.add_option(both_spellings("--text-level"), o.text_level, "gpt: byte or char vocabulary")
+                 "text file (gpt; default ../shared/data/tinyshakespeare.txt)");
+  cmd.add_option("--config", o.config, "TrainingArguments as a JSON file");
+  cmd.add_option(both_spellings("block_size"), o.gpt.block_size, "gpt: sequence length");
+  cmd.add_option(both_spellings("n_layer"), o.gpt.n_layer, "gpt: blocks");
+  cmd.add_option(both_spellings("n_head"), o.gpt.n_head, "gpt: attention heads");
+  cmd.add_option(both_spellings("n_embd"), o.gpt.n_embd, "gpt: width");
+  cmd.add_option(both_spellings("text_level"), o.text_level, "gpt: byte or char vocabulary")
       ->check(CLI::IsMember({"byte", "char"}));
   cmd.add_option("--dropout", o.dropout);
+  // Every TrainingArguments field is a flag of the same name.
+  const nlohmann::json defaults = command_defaults().to_json();
+  for (auto& [name, value] : defaults.items()) {
+    if (value.is_boolean()) continue;
+    cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
+  }
+  cmd.add_flag(both_spellings("gradient_checkpointing"), o.gradient_checkpointing,
+               "recompute activations in backward");
+  cmd.add_flag("--json", o.json, "print one JSON object per log line");
 }
 
-int run_train(TrainOptions& o) {
-  mb::manual_seed(o.args.seed);
-  std::unique_ptr<mb::nn::Model> model;
+mb::train::TrainingArguments training_arguments(Options& o) {
+  nlohmann::json j = command_defaults().to_json();
+  if (!o.config.empty()) j.update(mb::train::TrainingArguments::load(o.config).to_json());
+  const nlohmann::json defaults = command_defaults().to_json();
+  for (auto& [name, text] : o.given) {
+    if (text.empty()) continue;
+    const nlohmann::json& d = defaults.at(name);
+    if (name == "per_device_train_batch_size" && text == "auto") {
+      j[name] = "auto";
+    } else if (name == "memory_budget") {
+      j[name] = mb::train::parse_bytes(text);
+    } else if (d.is_string()) {
+      j[name] = text;
+    } else {
+      try {
+        j[name] = nlohmann::json::parse(text);
+      } catch (const nlohmann::json::exception&) {
+        MB_CHECK(false, "[{}] expected a number, got '{}'", name, text);
+      }
+    }
+  }
+  if (o.gradient_checkpointing) j["gradient_checkpointing"] = true;
+  j["json"] = o.json;
+  return mb::train::TrainingArguments::from_json(j);
+}
+
+struct Job {
   std::unique_ptr<mb::train::Dataset> train_set, eval_set;
+  mb::train::ModelInit model_init;
+  mb::train::ComputeMetrics metrics;
+};
+
+Job make_job(Options& o) {
+  Job job;
   if (o.model == "gpt") {
     const std::string path = o.data.empty() ? "../shared/data/tinyshakespeare.txt" : o.data;
     mb::train::TextOptions text{.block_size = o.gpt.block_size,
@@ -83,32 +113,61 @@ int run_train(TrainOptions& o) {
                                                                 : mb::train::TextLevel::Char};
     auto train_text = std::make_unique<mb::train::TextDataset>(path, text);
     text.split = mb::train::Split::Val;
-    eval_set = std::make_unique<mb::train::TextDataset>(path, text);
-    o.gpt.vocab_size = train_text->vocab_size();
-    o.gpt.dropout = o.dropout;
-    model = std::make_unique<mb::nn::GPT>(o.gpt);
-    train_set = std::move(train_text);
+    job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+    mb::nn::GPTConfig cfg = o.gpt;
+    cfg.vocab_size = train_text->vocab_size();
+    cfg.dropout = o.dropout;
+    job.model_init = [cfg] { return std::make_unique<mb::nn::GPT>(cfg); };
+    job.train_set = std::move(train_text);
   } else {
     const std::string root = o.data.empty() ? mb::train::kFashionMnistRoot : o.data;
-    train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
-    eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
-    if (o.model == "mlp") model = std::make_unique<mb::nn::MLP>(mb::nn::MLPConfig{.dropout = o.dropout});
-    else model = std::make_unique<mb::nn::CNN>(mb::nn::CNNConfig{.dropout = o.dropout});
+    job.train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
+    job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
+    const double dropout = o.dropout;
+    if (o.model == "mlp") {
+      job.model_init = [dropout] { return std::make_unique<mb::nn::MLP>(mb::nn::MLPConfig{.dropout = dropout}); };
+    } else {
+      job.model_init = [dropout] { return std::make_unique<mb::nn::CNN>(mb::nn::CNNConfig{.dropout = dropout}); };
+    }
+    job.metrics = mb::train::classification_metrics;
   }
-  if (!o.args.json) {
-    std::cout << "model " << o.model << ": " << model->num_parameters() << " parameters; "
-              << train_set->size() << " training examples; micro-batch "
-              << o.args.per_device_train_batch_size << " x " << o.args.gradient_accumulation_steps
-              << " accumulation steps\n";
-  }
-  mb::train::FitResult r = mb::train::fit(*model, *train_set, eval_set.get(), o.args, std::cout);
-  std::filesystem::create_directories(o.args.output_dir);
-  if (!o.args.json) {
-    std::cout << fmt::format("done: {} steps in {:.1f} s", r.steps, r.seconds);
-    if (r.eval && r.eval->accuracy) std::cout << fmt::format(", test accuracy {:.2f}%", *r.eval->accuracy * 100);
-    else if (r.eval) std::cout << fmt::format(", validation loss {:.4f}", r.eval->loss);
+  return job;
+}
+
+int run_train(Options& o) {
+  mb::train::TrainingArguments args = training_arguments(o);
+  Job job = make_job(o);
+  mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
+  const mb::train::MemoryPlan& plan = trainer.plan();
+  if (!args.json) {
+    std::cout << "model " << o.model << ": " << trainer.model().num_parameters() << " parameters; "
+              << job.train_set->size() << " training examples; micro-batch " << plan.micro_batch_size << " x "
+              << plan.accumulation_steps << " accumulation steps"
+              << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
+    if (args.memory_budget > 0)
+      std::cout << "; predicted peak " << mb::format_bytes(plan.predicted_peak) << " of "
+                << mb::format_bytes(args.memory_budget);
     std::cout << "\n";
   }
+  mb::train::TrainOutput r = trainer.train();
+  if (!args.json) {
+    std::cout << fmt::format("done: {} steps, training loss {:.4f}", r.global_step, r.training_loss);
+    if (r.metrics.count("eval_accuracy")) std::cout << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
+    if (r.metrics.count("eval_f1")) std::cout << fmt::format(", macro F1 {:.4f}", r.metrics["eval_f1"]);
+    if (r.metrics.count("eval_loss") && !r.metrics.count("eval_accuracy"))
+      std::cout << fmt::format(", validation loss {:.4f}", r.metrics["eval_loss"]);
+    std::cout << "; weights in " << args.output_dir << "/model.safetensors\n";
+  }
+  return 0;
+}
+
+int run_plan(Options& o) {
+  mb::train::TrainingArguments args = training_arguments(o);
+  MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
+  Job job = make_job(o);
+  mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
+  if (o.json) std::cout << trainer.plan().to_json().dump(2) << "\n";
+  else std::cout << trainer.plan().str();
   return 0;
 }
 
@@ -149,9 +208,11 @@ int run_check_accumulation(const std::string& dtypes, bool json) {
 int main(int argc, char** argv) {
   CLI::App app{"microbatch: memory-efficient training"};
   app.require_subcommand(1);
-  TrainOptions train;
+  Options train, plan;
   CLI::App* train_cmd = app.add_subcommand("train", "train a model (mlp, cnn on Fashion-MNIST; gpt on text)");
-  add_train_flags(*train_cmd, train);
+  add_model_flags(*train_cmd, train);
+  CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
+  add_model_flags(*plan_cmd, plan);
   std::string dtypes = "both";
   bool json = false;
   CLI::App* check_cmd = app.add_subcommand("check-accumulation",
@@ -161,6 +222,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (train_cmd->parsed()) return run_train(train);
+    if (plan_cmd->parsed()) return run_plan(plan);
     if (check_cmd->parsed()) return run_check_accumulation(dtypes, json);
   } catch (const mb::Error& e) {
     std::cerr << "error: " << e.what() << "\n";

@@ -308,8 +308,10 @@ Tensor scalar_tensor(double value, TensorOptions options) { return full({}, valu
 Tensor from_vector(const std::vector<double>& values, const Shape& shape, TensorOptions options) {
   MB_CHECK(static_cast<std::int64_t>(values.size()) == shape_numel(shape),
            "[from_vector] {} values do not fill shape {}", values.size(), shape_str(shape));
-  Tensor host = empty(shape, {.dtype = DType::f64});
-  std::copy(values.begin(), values.end(), static_cast<double*>(host.raw_data()));
+  // A meta target stages on meta (without values), so that its allocations mirror a CPU target's.
+  const Device stage = options.device.is_meta() ? kMeta : kCPU;
+  Tensor host = empty(shape, {.dtype = DType::f64, .device = stage});
+  if (!stage.is_meta()) std::copy(values.begin(), values.end(), static_cast<double*>(host.raw_data()));
   Tensor t = host.to(options.device, options.dtype);
   if (t.same_storage(host)) t = t.clone();
   if (options.requires_grad) t.requires_grad_(true);

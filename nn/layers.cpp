@@ -1,5 +1,6 @@
 #include "nn/layers.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace microbatch::nn {
@@ -83,9 +84,27 @@ void Sequential::push_back(std::shared_ptr<Layer> layer) {
   layers_.push_back(std::move(layer));
 }
 
+void Sequential::set_checkpoint_segments(std::int64_t segments) {
+  MB_CHECK(segments >= 0, "[Sequential] checkpoint segments must be >= 0, got {}", segments);
+  checkpoint_segments_ = segments;
+}
+
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (auto& l : layers_) h = l->forward(h);
+  const std::size_t n = layers_.size();
+  if (checkpoint_segments_ <= 1 || !is_training() || n < 2) {
+    for (auto& l : layers_) h = l->forward(h);
+    return h;
+  }
+  const std::size_t per = (n + checkpoint_segments_ - 1) / checkpoint_segments_;
+  for (std::size_t begin = 0; begin < n; begin += per) {
+    const std::size_t end = std::min(n, begin + per);
+    h = checkpoint([this, begin, end](const Tensor& in) {
+      Tensor y = in;
+      for (std::size_t i = begin; i < end; ++i) y = layers_[i]->forward(y);
+      return y;
+    }, h);
+  }
   return h;
 }
 

@@ -112,9 +112,14 @@ class Sequential : public Layer {
   Tensor forward(const Tensor& x) override;
   std::size_t size() const { return layers_.size(); }
   Layer& operator[](std::size_t i) { return *layers_.at(i); }
+  /// In training, runs the layers as `segments` checkpointed segments of about equal length, so only
+  /// each segment's input is kept for backward (0 or 1: no checkpointing).
+  void set_checkpoint_segments(std::int64_t segments);
+  std::int64_t checkpoint_segments() const { return checkpoint_segments_; }
 
  private:
   std::vector<std::shared_ptr<Layer>> layers_;
+  std::int64_t checkpoint_segments_ = 0;
 };
 
 }  // namespace microbatch::nn

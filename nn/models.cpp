@@ -34,6 +34,16 @@ ModelOutput classify(Sequential& net, const Tensor& inputs, const Tensor& labels
 
 ModelOutput MLP::forward(const Tensor& inputs, const Tensor& labels) { return classify(*net, inputs, labels); }
 
+namespace {
+std::int64_t sqrt_segments(std::size_t layers) {
+  return std::max<std::int64_t>(2, std::llround(std::sqrt(static_cast<double>(layers))));
+}
+}  // namespace
+
+void MLP::set_gradient_checkpointing(bool on) { net->set_checkpoint_segments(on ? sqrt_segments(net->size()) : 0); }
+// Four segments, about one per conv block: three (the sqrt rule) leaves the peak where it was.
+void CNN::set_gradient_checkpointing(bool on) { net->set_checkpoint_segments(on ? 4 : 0); }
+
 // ---- CNN ---------------------------------------------------------------------------------------
 
 CNN::CNN(CNNConfig cfg) : config(cfg) {

@@ -23,6 +23,9 @@ class Model : public Module {
   /// Items that carry loss in `labels` (samples, or tokens != ignore_index): the weight of a
   /// micro-batch in an accumulation window is its share of these.
   virtual std::int64_t count_loss_items(const Tensor& labels) const;
+  /// Recompute activations in backward instead of keeping them (trades compute for memory).
+  virtual void set_gradient_checkpointing(bool on) = 0;
+  virtual bool gradient_checkpointing() const = 0;
 };
 
 struct MLPConfig {
@@ -37,6 +40,9 @@ class MLP : public Model {
  public:
   explicit MLP(MLPConfig config = {});
   ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
+  /// Runs the layers as checkpointed segments of about sqrt(layers) layers each.
+  void set_gradient_checkpointing(bool on) override;
+  bool gradient_checkpointing() const override { return net->checkpoint_segments() > 1; }
   MLPConfig config;
   std::shared_ptr<Sequential> net;
 };
@@ -56,6 +62,9 @@ class CNN : public Model {
  public:
   explicit CNN(CNNConfig config = {});
   ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
+  /// Runs the layers as four checkpointed segments.
+  void set_gradient_checkpointing(bool on) override;
+  bool gradient_checkpointing() const override { return net->checkpoint_segments() > 1; }
   CNNConfig config;
   std::shared_ptr<Sequential> net;
 };
@@ -100,6 +109,9 @@ class GPT : public Model {
   /// inputs (B, T) token ids; labels (B, T) next-token ids or ignore_index.
   ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
   std::int64_t count_loss_items(const Tensor& labels) const override;
+  /// Recomputes each block in backward.
+  void set_gradient_checkpointing(bool on) override { config.gradient_checkpointing = on; }
+  bool gradient_checkpointing() const override { return config.gradient_checkpointing; }
   GPTConfig config;
   std::shared_ptr<Embedding> wte, wpe;
   std::vector<std::shared_ptr<Block>> blocks;

@@ -1,18 +1,27 @@
 // TrainingArguments: Hugging Face's names and defaults, so that a Trainer user reads them as they
-// would in Python. Set them from C++ with designated initializers:
+// would in Python, plus `train_batch_size` (the effective batch to hold fixed) and `memory_budget`.
+// Set them from C++ with designated initializers, from a JSON file, or from CLI flags of the same
+// names:
 //   TrainingArguments{.per_device_train_batch_size = 16, .gradient_accumulation_steps = 4}
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 namespace microbatch::train {
+
+/// per_device_train_batch_size = kAutoBatch: the memory planner chooses it.
+inline constexpr std::int64_t kAutoBatch = 0;
 
 struct TrainingArguments {
   std::string output_dir = "runs/microbatch";
-  std::int64_t per_device_train_batch_size = 8;  // the micro-batch
+  std::int64_t per_device_train_batch_size = 8;  // the micro-batch, or kAutoBatch ("auto")
   std::int64_t per_device_eval_batch_size = 8;
   std::int64_t gradient_accumulation_steps = 1;
+  std::int64_t train_batch_size = 0;             // effective batch; 0 = micro x accumulation steps
+  std::int64_t memory_budget = 0;                // bytes; 0 = none ("512MiB", "2GB" in JSON/CLI)
   double num_train_epochs = 3.0;
   std::int64_t max_steps = -1;                   // > 0 overrides num_train_epochs
   double learning_rate = 5e-5;
@@ -24,14 +33,36 @@ struct TrainingArguments {
   std::string lr_scheduler_type = "linear";      // constant, constant_with_warmup, linear, cosine
   std::int64_t warmup_steps = 0;
   double warmup_ratio = 0.0;                     // used when warmup_steps == 0
-  std::int64_t logging_steps = 500;              // counts optimizer steps
+  std::int64_t logging_steps = 500;              // counts optimizer steps, as every *_steps
   std::string eval_strategy = "no";              // no, steps, epoch
   std::int64_t eval_steps = 0;                   // for eval_strategy = steps (0: logging_steps)
+  std::string save_strategy = "no";              // no, steps, epoch
+  std::int64_t save_steps = 500;
+  std::int64_t save_total_limit = 0;             // keep at most this many checkpoints; 0 = all
+  std::string resume_from_checkpoint;            // a checkpoint folder, or "latest" in output_dir
+  bool gradient_checkpointing = false;           // force activation checkpointing on
   std::uint64_t seed = 42;
   bool json = false;                             // log lines as JSON (not a Hugging Face name)
 
   /// Throws microbatch::Error naming the first inconsistent or out-of-range argument.
   void validate() const;
+  nlohmann::json to_json() const;
+  /// Reads the arguments from JSON objects with these names; unknown names are refused.
+  static TrainingArguments from_json(const nlohmann::json& j);
+  static TrainingArguments load(const std::string& path);
 };
+
+/// "512MiB", "2GB", "1.5GiB", "1000000" -> bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024).
+std::int64_t parse_bytes(const std::string& text);
+
+/// The effective batch and its split, from the DeepSpeed-style triad
+/// train_batch_size = micro x accumulation steps (single process): given two, the third follows;
+/// an inconsistent triple is refused. With an automatic micro-batch only the effective batch is fixed.
+struct BatchTriad {
+  std::int64_t effective = 0;
+  std::int64_t micro = 0;           // 0 when automatic
+  std::int64_t accumulation = 0;    // 0 when automatic
+};
+BatchTriad resolve_batch_triad(const TrainingArguments& args);
 
 }  // namespace microbatch::train

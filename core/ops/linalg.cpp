@@ -29,16 +29,19 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   // 16-bit inputs multiply in f32 and round once at the end.
   const DType math = dt == DType::f64 ? DType::f64 : DType::f32;
   Tensor out = empty({batch, a.shape()[1], b.shape()[2]}, {.dtype = dt, .device = a.device()});
-  launch("matmul", a.device(), [&] {
+  {
+    // The operand copies are made outside launch() so that the meta device sees them too.
     NoGradGuard no_grad;
     Tensor x = gemm_ready(a.to(math)), y = gemm_ready(b.to(math));
-    auto xv = x.kview(), yv = y.kview();
-    if (x.shape()[0] == 1) xv.strides[0] = 0, xv.shape[0] = batch;
-    if (y.shape()[0] == 1) yv.strides[0] = 0, yv.shape[0] = batch;
-    Tensor o = math == dt ? out : empty(out.shape(), {.dtype = math});
-    kernels::cpu::gemm(xv, yv, o.kview(), 1.0, 0.0);
+    Tensor o = math == dt ? out : empty(out.shape(), {.dtype = math, .device = a.device()});
+    launch("matmul", a.device(), [&] {
+      auto xv = x.kview(), yv = y.kview();
+      if (x.shape()[0] == 1) xv.strides[0] = 0, xv.shape[0] = batch;
+      if (y.shape()[0] == 1) yv.strides[0] = 0, yv.shape[0] = batch;
+      kernels::cpu::gemm(xv, yv, o.kview(), 1.0, 0.0);
+    });
     if (!o.same_storage(out)) out.copy_(o);
-  });
+  }
   record("matmul", {a, b}, out,
          [sa = SavedTensor(a, "matmul"), sb = SavedTensor(b, "matmul"), ra = a.requires_grad(),
           rb = b.requires_grad()](const Tensor& g) {
@@ -130,20 +133,23 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   out_shape.push_back(n);
   const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
   Tensor out = empty({m, n}, {.dtype = dt, .device = x.device()});
-  launch("linear", x.device(), [&] {
+  {
     // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once.
+    // The copies are made outside launch() so that the meta device sees them too.
     NoGradGuard no_grad;
     Tensor x2 = gemm_ready(x.reshape({1, m, k}).to(math));
     Tensor w = weight.to(math);
-    Tensor o = math == dt ? out : empty({m, n}, {.dtype = math});
+    Tensor o = math == dt ? out : empty({m, n}, {.dtype = math, .device = x.device()});
     double beta = 0.0;
     if (bias.defined()) {
       o.copy_(bias.expand({m, n}));
       beta = 1.0;
     }
-    kernels::cpu::gemm(x2.kview(), w.t().unsqueeze(0).kview(), o.unsqueeze(0).kview(), 1.0, beta);
+    launch("linear", x.device(), [&] {
+      kernels::cpu::gemm(x2.kview(), w.t().unsqueeze(0).kview(), o.unsqueeze(0).kview(), 1.0, beta);
+    });
     if (!o.same_storage(out)) out.copy_(o);
-  });
+  }
   record("linear", {x, weight, bias}, out,
          [sx = SavedTensor(x, "linear"), sw = SavedTensor(weight, "linear"), x_shape = x.shape(),
           rx = x.requires_grad(), rw = weight.requires_grad(),
@@ -155,12 +161,16 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
            if (rw) {
              Tensor x2 = sx.get().reshape({m, k});
              Tensor grad = w.grad();
-             if (accumulates_in_place(w) && grad.device().is_cpu() && grad.is_contiguous() &&
-                 is_floating(grad.dtype()) && grad.dtype() != DType::f16 && grad.dtype() != DType::bf16) {
+             // Meta takes this path too, so that its allocations (no dw temporary) match the CPU's.
+             if (accumulates_in_place(w) && (grad.device().is_cpu() || grad.device().is_meta()) &&
+                 grad.is_contiguous() && is_floating(grad.dtype()) && grad.dtype() != DType::f16 &&
+                 grad.dtype() != DType::bf16) {
                const DType math = grad.dtype();  // f32 or f64 accumulator
                Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(math));
                Tensor xm = gemm_ready(x2.unsqueeze(0).to(math));
-               kernels::cpu::gemm(gm.kview(), xm.kview(), grad.unsqueeze(0).kview(), grad_weight(), 1.0);
+               launch("linear", grad.device(), [&] {
+                 kernels::cpu::gemm(gm.kview(), xm.kview(), grad.unsqueeze(0).kview(), grad_weight(), 1.0);
+               });
                grad.bump_version();
              } else {
                dw = matmul(g2.t(), x2);

@@ -1,0 +1,380 @@
+// The MemoryPlanner against real CPU runs: for an MLP, a CNN and a GPT, each under budgets where
+// the full batch fits, where it does not, and where only checkpointing fits, the plan is run for
+// real on the CPU under the budget, and its measured peak is compared with the prediction; the
+// micro-batch is checked to be maximal, by the planner's prediction and by a real run one sample
+// larger.
+//
+// The budgets are placed with the planner's own predictions, only to land in each regime; every
+// claim is then checked against the CPU allocator's statistics. All tests share the process-wide
+// CPU allocator: each real run restores its budget and empties its cache when it ends.
+#include <cmath>
+#include <optional>
+
+#include "core/allocator.h"
+#include "core/rng.h"
+#include "tests/core/harness.h"
+#include "train/planner.h"
+
+using namespace microbatch;
+using namespace microbatch::train;
+
+namespace {
+
+struct Case {
+  const char* name;
+  ModelFactory make;
+  SampleBatchFn sample;
+  std::int64_t effective;  // chosen so that most micro-batch sizes leave a smaller last one
+};
+
+template <class M>
+std::unique_ptr<nn::Model> own(std::unique_ptr<M> m) {
+  return std::unique_ptr<nn::Model>(std::move(m));
+}
+
+// MLP 64 -> 8 x 128 -> 10: its checkpointing (sqrt segments) lowers the peak once a few samples
+// are in flight, and its weights dominate small micro-batches.
+Case mlp_case() {
+  return {"mlp",
+          [](bool ckpt) {
+            auto m = std::make_unique<nn::MLP>(
+                nn::MLPConfig{.in_features = 64, .hidden = std::vector<std::int64_t>(8, 128)});
+            m->set_gradient_checkpointing(ckpt);
+            return own(std::move(m));
+          },
+          [](std::int64_t n) {
+            return Batch{randn({n, 64}), zeros({n}, {.dtype = DType::i64}), n, {}};
+          },
+          100};
+}
+
+// CNN 1 -> 8 -> 16 channels on 28 x 28: checkpointed as one segment per conv block (conv, relu,
+// pool), which is what lowers its peak.
+Case cnn_case() {
+  return {"cnn",
+          [](bool ckpt) {
+            auto m = std::make_unique<nn::CNN>(
+                nn::CNNConfig{.channels1 = 8, .channels2 = 16, .hidden = 32});
+            if (ckpt) m->net->set_checkpoint_segments(4);
+            return own(std::move(m));
+          },
+          [](std::int64_t n) {
+            return Batch{randn({n, 28, 28}), zeros({n}, {.dtype = DType::i64}), n, {}};
+          },
+          20};
+}
+
+// A 4-layer GPT on 64-token sequences: activations dominate, and checkpointing each block cuts
+// them.
+Case gpt_case() {
+  return {"gpt",
+          [](bool ckpt) {
+            auto m = std::make_unique<nn::GPT>(nn::GPTConfig{
+                .vocab_size = 32, .block_size = 64, .n_layer = 4, .n_head = 2, .n_embd = 32});
+            m->set_gradient_checkpointing(ckpt);
+            return own(std::move(m));
+          },
+          [](std::int64_t n) {
+            Tensor tokens = zeros({n, 64}, {.dtype = DType::i64});
+            return Batch{tokens, tokens.clone(), n * 64, {}};
+          },
+          13};
+}
+
+// Restores the CPU budget and empties the CPU cache when a real run ends, however it ends.
+class CpuAllocatorGuard {
+ public:
+  CpuAllocatorGuard() : budget_(allocator(kCPU).budget()) {}
+  ~CpuAllocatorGuard() {
+    allocator(kCPU).set_budget(budget_);
+    empty_cache(kCPU);
+  }
+  CpuAllocatorGuard(const CpuAllocatorGuard&) = delete;
+  CpuAllocatorGuard& operator=(const CpuAllocatorGuard&) = delete;
+
+ private:
+  std::optional<std::size_t> budget_;
+};
+
+struct RealRun {
+  std::int64_t peak =
+      0;  // reserved bytes above what the process held before, at the high-water mark
+  bool out_of_memory = false;
+};
+
+// Trains `windows` windows of the effective batch in micro-batches of n (the last one smaller) on
+// the CPU, as the Trainer does: fresh micro-batch tensors per step, held with the model's output
+// until its backward has run, and AdamW at each window's end.
+// The budget, if given, caps the bytes the run may add to what the process already holds.
+RealRun run_on_cpu(const Case& c, std::int64_t n, bool ckpt, std::optional<std::int64_t> budget,
+                   int windows = 2) {
+  CpuAllocatorGuard guard;
+  clear_memory_budget(kCPU);
+  empty_cache(kCPU);
+  const std::int64_t base = memory_stats(kCPU).reserved.current;
+  RealRun run;
+  try {
+    std::unique_ptr<nn::Model> model = c.make(ckpt);
+    optim::ParamStore store(*model);
+    optim::AdamW optimizer(store);
+    empty_cache(kCPU);  // the parameters' blocks from before the arenas
+    // The budget holds from the first step, as in the Trainer (building a model is not a step).
+    if (budget) set_memory_budget(kCPU, static_cast<std::size_t>(base + *budget));
+    reset_peak_memory_stats(kCPU);
+    for (int w = 0; w < windows; ++w) {
+      for (std::int64_t first = 0; first < c.effective; first += n) {
+        const Batch batch = c.sample(std::min(n, c.effective - first));
+        const nn::ModelOutput out = model->forward(batch.inputs, batch.labels);
+        out.loss.backward();
+      }
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+  } catch (const OutOfMemoryError&) {
+    run.out_of_memory = true;
+  }
+  run.peak = memory_stats(kCPU).reserved.peak - base;
+  return run;
+}
+
+enum class Regime { FullBatch, SplitBatch, ForcedCheckpointing, CheckpointingForThroughput };
+
+const char* regime_name(Regime r) {
+  switch (r) {
+    case Regime::FullBatch:
+      return "full batch fits";
+    case Regime::SplitBatch:
+      return "full batch does not fit";
+    case Regime::ForcedCheckpointing:
+      return "only checkpointing fits";
+    case Regime::CheckpointingForThroughput:
+      return "checkpointing for throughput";
+  }
+  return "";
+}
+
+// Plans under `budget`, checks the regime, then runs the plan (and one more sample) for real.
+void check_plan(const Case& c, std::int64_t budget, Regime regime) {
+  INFO(std::string(c.name) << ", " << std::string(regime_name(regime)) << ", budget " << budget);
+  MemoryPlanner planner(c.make, c.sample, {.budget = budget, .effective_batch = c.effective});
+  const MemoryPlan plan = planner.plan();
+  const std::int64_t usable = planner.usable_budget();
+  const std::int64_t n = plan.micro_batch_size;
+  const bool ckpt = plan.gradient_checkpointing;
+
+  // The plan is self-consistent.
+  CHECK(plan.effective_batch == c.effective);
+  CHECK(plan.accumulation_steps == (c.effective + n - 1) / n);
+  CHECK(plan.predicted_peak == plan.breakdown.total());
+  CHECK(plan.predicted_peak <= usable);
+  CHECK(usable == static_cast<std::int64_t>(std::floor(static_cast<double>(budget) * 0.95)));
+  CHECK(plan.breakdown.weights > 0);
+  CHECK(plan.breakdown.gradients == plan.breakdown.weights);  // f32 weights, f32 gradients
+  CHECK(plan.breakdown.optimizer_state == 2 * plan.breakdown.weights);  // two f32 moments
+  CHECK(plan.breakdown.activations > 0);
+
+  switch (regime) {
+    case Regime::FullBatch:
+      CHECK(n == c.effective);
+      CHECK(plan.accumulation_steps == 1);
+      CHECK_FALSE(ckpt);
+      break;
+    case Regime::SplitBatch:
+      CHECK(n > 1);
+      CHECK(n < c.effective);
+      CHECK_FALSE(ckpt);
+      break;
+    case Regime::ForcedCheckpointing:
+      CHECK(planner.max_micro_batch(false) == 0);
+      CHECK(ckpt);
+      break;
+    case Regime::CheckpointingForThroughput:
+      CHECK(planner.max_micro_batch(false) > 0);
+      CHECK(ckpt);
+      CHECK(n > planner.max_micro_batch(false));
+      break;
+  }
+
+  // Two windows for real, under the budget: no refusal, and the peak is the predicted one.
+  const RealRun run = run_on_cpu(c, n, ckpt, budget);
+  MESSAGE(std::string(c.name) << ", " << std::string(regime_name(regime)) << ": budget " << budget
+                              << " (usable " << usable << "), micro-batch " << n << " x "
+                              << plan.accumulation_steps
+                              << std::string(ckpt ? ", checkpointing" : "") << "; predicted peak "
+                              << plan.predicted_peak << ", measured " << run.peak);
+  REQUIRE_FALSE(run.out_of_memory);
+  CHECK(run.peak <= budget);
+  CHECK(run.peak <= usable);
+  CHECK(std::abs(static_cast<double>(plan.predicted_peak - run.peak)) <=
+        0.05 * static_cast<double>(run.peak));
+
+  // Maximal: one more sample does not fit, by the prediction and by a real run. The real run has no
+  // budget: under one, the allocator would release its cache mid-step and often squeeze the step
+  // in, which is exactly what a plan must not rely on (its peak is the peak without releases).
+  if (n < c.effective) {
+    CHECK(planner.predict_window(n + 1, ckpt).total() > usable);
+    const RealRun more = run_on_cpu(c, n + 1, ckpt, std::nullopt);
+    REQUIRE_FALSE(more.out_of_memory);
+    CHECK(more.peak > usable);
+    MESSAGE("  one more sample (" << n + 1 << "): predicted "
+                                  << planner.predict_window(n + 1, ckpt).total() << ", measured "
+                                  << more.peak);
+  }
+}
+
+// Budgets from the planner's predictions, one per regime, with usable = budget * 0.95.
+std::int64_t budget_for(double usable) {
+  return static_cast<std::int64_t>(std::ceil(usable / 0.95));
+}
+
+void check_regimes(const Case& c, bool with_throughput_case) {
+  MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+  const double one = static_cast<double>(probe.predict_window(1, false).total());
+  const double one_ckpt = static_cast<double>(probe.predict_window(1, true).total());
+  const double full = static_cast<double>(probe.predict_window(c.effective, false).total());
+  REQUIRE(one_ckpt < one);  // checkpointing saves something even for one sample
+  check_plan(c, budget_for(full * 1.1), Regime::FullBatch);
+  check_plan(c, budget_for((one + full) / 2), Regime::SplitBatch);
+  check_plan(c, budget_for((one + one_ckpt) / 2), Regime::ForcedCheckpointing);
+  if (!with_throughput_case) return;
+  // The throughput case needs a budget where checkpointing fits enough more samples to cut the
+  // number of micro-batches by more than its extra forward costs: look for one just above one
+  // sample.
+  std::optional<std::int64_t> budget;
+  for (int percent = 1; percent <= 30 && !budget; ++percent) {
+    const std::int64_t b = budget_for(one + percent / 100.0 * (full - one));
+    MemoryPlanner planner(c.make, c.sample, {.budget = b, .effective_batch = c.effective});
+    if (planner.plan().gradient_checkpointing && planner.max_micro_batch(false) > 0) budget = b;
+  }
+  REQUIRE(budget.has_value());
+  check_plan(c, *budget, Regime::CheckpointingForThroughput);
+}
+
+}  // namespace
+
+TEST_CASE("planner: MLP plans fit their budget, match the measured peak and are maximal") {
+  check_regimes(mlp_case(), true);
+}
+
+TEST_CASE("planner: CNN plans fit their budget, match the measured peak and are maximal") {
+  check_regimes(cnn_case(), true);
+}
+
+TEST_CASE("planner: GPT plans fit their budget, match the measured peak and are maximal") {
+  // Activations dominate a GPT, so checkpointing is taken only when nothing fits without it.
+  check_regimes(gpt_case(), false);
+}
+
+TEST_CASE("planner: a smaller last micro-batch costs cache, and the window prediction counts it") {
+  const Case c = gpt_case();
+  MemoryPlanner planner(c.make, c.sample, {.budget = 1 << 30, .effective_batch = c.effective});
+  // 13 = 5 + 5 + 3: the 3-sample step cannot reuse the 5-sample blocks (a block serves a request at
+  // most a quarter smaller), so the window holds both sets.
+  const std::int64_t step = planner.predict(5, false).total();
+  const std::int64_t window = planner.predict_window(5, false).total();
+  const RealRun run = run_on_cpu(c, 5, false, std::nullopt);
+  MESSAGE(std::string("gpt micro-batch 5 of 13: one step ")
+          << step << ", window " << window << ", measured " << run.peak);
+  CHECK(window > step + step / 10);
+  CHECK(run.peak == window);
+}
+
+TEST_CASE("planner: a budget too small for one sample fails at once, saying what is needed") {
+  const Case c = gpt_case();
+  MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+  const std::int64_t need = probe.predict_window(1, true).total();  // the least one sample can take
+  MemoryPlanner planner(c.make, c.sample, {.budget = need, .effective_batch = c.effective});
+  std::string message;
+  std::size_t requested = 0;
+  try {
+    planner.plan();
+  } catch (const OutOfMemoryError& e) {
+    message = e.what();
+    requested = e.requested();
+  }
+  INFO(message);
+  CHECK(message.find("[planner] the budget of " + format_bytes(need) +
+                     " is too small for one sample") == 0);
+  CHECK(message.find("needs " + format_bytes(need)) != std::string::npos);
+  CHECK(message.find("weights ") != std::string::npos);
+  CHECK(message.find("activations ") != std::string::npos);
+  CHECK(requested == static_cast<std::size_t>(need));
+  // The budget it names is enough.
+  const std::int64_t named = budget_for(static_cast<double>(need));
+  CHECK(message.find(std::to_string(named) + " bytes") != std::string::npos);
+  MemoryPlanner enough(c.make, c.sample, {.budget = named, .effective_batch = c.effective});
+  CHECK(enough.plan().micro_batch_size >= 1);
+}
+
+TEST_CASE("planner: a fixed micro-batch size is only checked; forced checkpointing is kept") {
+  const Case c = mlp_case();
+  MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+  const std::int64_t budget =
+      budget_for(static_cast<double>(probe.predict_window(20, false).total()));
+  MemoryPlanner fixed(c.make, c.sample,
+                      {.budget = budget, .effective_batch = c.effective, .micro_batch_size = 10});
+  const MemoryPlan plan = fixed.plan();
+  CHECK(plan.micro_batch_size == 10);
+  CHECK(plan.accumulation_steps == 10);
+  CHECK_FALSE(plan.gradient_checkpointing);
+
+  MemoryPlanner too_big(c.make, c.sample,
+                        {.budget = budget,
+                         .effective_batch = c.effective,
+                         .allow_checkpointing = false,
+                         .micro_batch_size = 90});
+  testing::check_throws_with([&] { too_big.plan(); }, "the micro-batch size 90 does not fit");
+
+  MemoryPlanner forced(
+      c.make, c.sample,
+      {.budget = budget, .effective_batch = c.effective, .force_checkpointing = true});
+  const MemoryPlan p = forced.plan();
+  CHECK(p.gradient_checkpointing);
+  CHECK(p.micro_batch_size == forced.max_micro_batch(true));
+  CHECK(p.micro_batch_size >= 20);  // checkpointing fits at least what fits without it
+}
+
+TEST_CASE("planner: predict() leaves no allocation behind and does not move the random stream") {
+  const Case c = gpt_case();
+  MemoryPlanner planner(c.make, c.sample, {.budget = 1 << 30, .effective_batch = c.effective});
+  manual_seed(7);
+  const MemoryStats cpu = memory_stats(kCPU), meta = memory_stats(kMeta);
+  const GeneratorState rng = default_generator().state();
+  for (bool ckpt : {false, true}) {
+    const MemoryBreakdown b = planner.predict_window(5, ckpt);
+    CHECK(b.total() > 0);
+  }
+  CHECK(memory_stats(kCPU).allocated.current == cpu.allocated.current);
+  CHECK(memory_stats(kMeta).allocated.current == meta.allocated.current);
+  CHECK(memory_stats(kMeta).reserved.current <= meta.reserved.current);
+  CHECK(default_generator().state().seed == rng.seed);
+  CHECK(default_generator().state().offset == rng.offset);
+}
+
+TEST_CASE("planner: the plan prints as a table and as JSON") {
+  MemoryPlan plan;
+  plan.micro_batch_size = 24;
+  plan.accumulation_steps = 3;
+  plan.effective_batch = 64;
+  plan.gradient_checkpointing = true;
+  plan.breakdown = {.weights = 1024,
+                    .gradients = 1024,
+                    .optimizer_state = 2048,
+                    .activations = 4096,
+                    .workspace = 512};
+  plan.predicted_peak = plan.breakdown.total();
+  plan.budget = 10 << 10;
+  CHECK(plan.predicted_peak == 8704);
+  const std::string text = plan.str();
+  INFO(text);
+  for (const char* needle :
+       {"micro-batch size", "24", "the last has 16", "gradient checkpointing  on", "weights",
+        "gradients", "optimizer state", "activations", "workspace", "8.50 KiB"}) {
+    CHECK(text.find(needle) != std::string::npos);
+  }
+  const nlohmann::json j = plan.to_json();
+  CHECK(j["micro_batch_size"] == 24);
+  CHECK(j["breakdown"]["activations"] == 4096);
+  CHECK(j["breakdown"]["total"] == 8704);
+  CHECK(j["gradient_checkpointing"] == true);
+}

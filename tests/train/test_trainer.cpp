@@ -1,0 +1,323 @@
+// The Trainer: arguments, metrics, training under a memory budget (measured peak within it, same
+// result as an unlimited run), out-of-memory recovery, and kill-and-resume through the command.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "core/safetensors.h"
+#include "tests/core/harness.h"
+#include "train/trainer.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+using namespace microbatch::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  TempDir() : path(fs::temp_directory_path() / fs::path("mb_trainer_" + std::to_string(::getpid()) + "_" +
+                                                         std::to_string(counter++))) {
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  fs::path path;
+  static inline int counter = 0;
+};
+
+std::vector<nlohmann::json> read_log(const fs::path& dir) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(dir / "log.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    // A run being watched may be in the middle of a line.
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded()) lines.push_back(std::move(j));
+  }
+  return lines;
+}
+
+double max_relative(const Tensor& a, const Tensor& b) {
+  std::vector<double> x = a.to_vector(), y = b.to_vector();
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    diff = std::max(diff, std::abs(x[i] - y[i]));
+    scale = std::max(scale, std::abs(y[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
+
+TensorDataset synthetic_images(std::int64_t n, std::uint64_t seed) {
+  manual_seed(seed);
+  Tensor x = rand({n, 28, 28});
+  Tensor y = (rand({n}) * 10.0).to(DType::i64);
+  return TensorDataset(x, y);
+}
+
+// Token sequences of different lengths (next-token labels), so a micro-batch's memory depends on
+// which sequences it holds.
+class Sequences : public Dataset {
+ public:
+  Sequences(std::vector<std::int64_t> lengths, std::int64_t vocab) : lengths_(std::move(lengths)), vocab_(vocab) {}
+  std::int64_t size() const override { return static_cast<std::int64_t>(lengths_.size()); }
+  Example get(std::int64_t i) const override {
+    check_index(i, "Sequences");
+    const std::int64_t t = lengths_[i];
+    std::vector<double> ids(t + 1);
+    for (std::int64_t k = 0; k <= t; ++k) ids[k] = static_cast<double>((i * 7 + k * 3) % vocab_);
+    Tensor all = from_vector(ids, {t + 1}, {.dtype = DType::i64});
+    return {all.slice(0, 0, t).contiguous(), all.slice(0, 1, t + 1).contiguous()};
+  }
+
+ private:
+  std::vector<std::int64_t> lengths_;
+  std::int64_t vocab_;
+};
+
+ModelInit small_mlp() {
+  return [] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}}); };
+}
+
+}  // namespace
+
+TEST_CASE("memory sizes and the batch triad") {
+  CHECK(parse_bytes("512MiB") == 512LL << 20);
+  CHECK(parse_bytes("2GB") == 2000000000LL);
+  CHECK(parse_bytes("1.5GiB") == 3LL << 29);
+  CHECK(parse_bytes("4096") == 4096);
+  check_throws_with([] { parse_bytes("12 parsecs"); }, "unknown unit 'parsecs'");
+  check_throws_with([] { parse_bytes("lots"); }, "cannot read 'lots' as a size");
+
+  BatchTriad t = resolve_batch_triad({.per_device_train_batch_size = 8, .gradient_accumulation_steps = 4});
+  CHECK((t.effective == 32 && t.micro == 8 && t.accumulation == 4));
+  t = resolve_batch_triad({.per_device_train_batch_size = 8, .train_batch_size = 30});
+  CHECK((t.effective == 30 && t.micro == 8 && t.accumulation == 4));  // the last micro-batch holds 6
+  t = resolve_batch_triad({.per_device_train_batch_size = kAutoBatch, .train_batch_size = 256, .memory_budget = 1 << 20});
+  CHECK((t.effective == 256 && t.micro == 0));
+  check_throws_with([] { resolve_batch_triad({.per_device_train_batch_size = 8, .gradient_accumulation_steps = 3,
+                                              .train_batch_size = 32}); },
+                    "per_device_train_batch_size 8 x gradient_accumulation_steps 3 = 24 does not equal train_batch_size 32");
+  check_throws_with([] { TrainingArguments{.per_device_train_batch_size = kAutoBatch}.validate(); },
+                    "auto needs a memory_budget");
+}
+
+TEST_CASE("TrainingArguments from JSON: names, \"auto\", sizes, unknown keys refused") {
+  TrainingArguments a = TrainingArguments::from_json(nlohmann::json::parse(
+      R"({"per_device_train_batch_size": "auto", "train_batch_size": 64, "memory_budget": "8MiB",
+          "learning_rate": 0.01, "eval_strategy": "epoch", "save_total_limit": 2})"));
+  CHECK(a.per_device_train_batch_size == kAutoBatch);
+  CHECK(a.memory_budget == 8 << 20);
+  CHECK(a.learning_rate == 0.01);
+  CHECK(TrainingArguments::from_json(a.to_json()).to_json() == a.to_json());
+  check_throws_with([] { TrainingArguments::from_json(nlohmann::json::parse(R"({"learning_rat": 1})")); },
+                    "unknown argument 'learning_rat'");
+  check_throws_with([] { TrainingArguments::from_json(nlohmann::json::parse(R"({"max_steps": "ten"})")); },
+                    "'max_steps' has the wrong type");
+  check_throws_with([] { TrainingArguments{.eval_strategy = "sometimes"}.validate(); }, "eval_strategy must be");
+}
+
+TEST_CASE("classification metrics: accuracy and macro precision, recall, F1") {
+  // Predictions 0, 1, 1, 2 for labels 0, 1, 2, 2.
+  Tensor logits = from_vector({5, 0, 0, 0, 5, 0, 0, 5, 0, 0, 0, 5}, {4, 3});
+  Tensor labels = from_vector({0, 1, 2, 2}, {4}, {.dtype = DType::i64});
+  Metrics m = classification_metrics({logits, labels});
+  CHECK(m["accuracy"] == doctest::Approx(0.75));
+  // Per class precision 1, 1/2, 1; recall 1, 1, 1/2; F1 1, 2/3, 2/3.
+  CHECK(m["precision"] == doctest::Approx((1 + 0.5 + 1) / 3));
+  CHECK(m["recall"] == doctest::Approx((1 + 1 + 0.5) / 3));
+  CHECK(m["f1"] == doctest::Approx((1 + 2.0 / 3 + 2.0 / 3) / 3));
+}
+
+TEST_CASE("Trainer: logs per step, evaluates each epoch, predicts") {
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1), eval_set = synthetic_images(40, 2);
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(),
+                  {.output_dir = dir.path.string(), .per_device_train_batch_size = 8, .gradient_accumulation_steps = 2,
+                   .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .eval_strategy = "epoch"},
+                  train_set, &eval_set, classification_metrics);
+  trainer.set_log_stream(&sink);
+  TrainOutput out = trainer.train();
+  CHECK(out.global_step == 12);  // 96 / (8 x 2) windows x 2 epochs
+  std::vector<nlohmann::json> log = read_log(dir.path);
+  int steps = 0, evals = 0;
+  for (auto& l : log) {
+    if (l.contains("event") && l["event"] == "eval") {
+      ++evals;
+      CHECK(l.contains("eval_accuracy"));
+      CHECK(l.contains("eval_f1"));
+    } else if (!l.contains("event")) {
+      ++steps;
+      CHECK(l["micro_batch_size"] == 8);
+      CHECK(l["steps_per_window"] == 2);
+      CHECK(l["samples"].get<std::int64_t>() == 16 * l["step"].get<std::int64_t>());
+    }
+  }
+  CHECK(steps == 12);
+  CHECK(evals == 2);
+  PredictionOutput p = trainer.predict(eval_set);
+  CHECK(p.predictions.shape() == Shape{40, 10});
+  CHECK(p.metrics.count("test_accuracy") == 1);
+  CHECK(fs::exists(dir.path / "model.safetensors"));
+}
+
+TEST_CASE("Trainer under a memory budget: peak within it every step, same weights as an unlimited run") {
+  // f64, so that the comparison measures the accumulation: in f32, AdamW's first steps turn the
+  // rounding differences of two summation orders in near-zero gradients (|g| ~ eps) into weight
+  // differences of ~1e-5 relative, whatever the accumulation does.
+  manual_seed(3);
+  TensorDataset train_set(rand({64, 28, 28}, {.dtype = DType::f64}), (rand({64}) * 10.0).to(DType::i64));
+  ModelInit init = [] {
+    auto m = std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}});
+    m->to(DType::f64);
+    return m;
+  };
+  auto run = [&](TrainingArguments args) {
+    TempDir dir;
+    args.output_dir = dir.path.string();
+    std::ostringstream sink;
+    Trainer trainer(init, args, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    std::vector<Tensor> weights;
+    for (auto& [n, t] : trainer.model().named_parameters()) weights.push_back(t.clone());
+    return std::make_tuple(weights, read_log(dir.path), trainer.plan());
+  };
+  TrainingArguments common{.per_device_train_batch_size = 32, .max_steps = 4, .learning_rate = 1e-3,
+                           .logging_steps = 1};
+  auto [full_weights, full_log, full_plan] = run(common);
+  // A budget under which the window of 32 does not fit in one micro-batch.
+  TrainingArguments budgeted = common;
+  budgeted.per_device_train_batch_size = kAutoBatch;
+  budgeted.train_batch_size = 32;
+  budgeted.memory_budget = 1800 << 10;
+  auto [weights, log, plan] = run(budgeted);
+  CHECK(plan.micro_batch_size < 32);
+  CHECK(plan.accumulation_steps > 1);
+  int steps = 0;
+  for (auto& l : log) {
+    if (l.contains("event")) continue;
+    ++steps;
+    CHECK(l["measured_peak"].get<std::int64_t>() <= budgeted.memory_budget);
+    CHECK(std::abs(l["measured_peak"].get<double>() - plan.predicted_peak) <= 0.05 * plan.predicted_peak);
+  }
+  CHECK(steps == 4);
+  for (std::size_t i = 0; i < weights.size(); ++i) CHECK(max_relative(weights[i], full_weights[i]) <= 1e-10);
+}
+
+TEST_CASE("a budget too small for one sample fails at once, saying how much is needed") {
+  TensorDataset train_set = synthetic_images(8, 4);
+  check_throws_with([&] {
+    Trainer(small_mlp(), {.per_device_train_batch_size = kAutoBatch, .train_batch_size = 8, .memory_budget = 4096},
+            train_set);
+  }, "too small for one sample");
+}
+
+TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weights as without the limit") {
+  // 48 short sequences and two long ones near the end: the planner samples the first examples, so
+  // its plan does not know them; a window that holds one pads every row to 16 tokens.
+  std::vector<std::int64_t> lengths(48, 4);
+  lengths[40] = 16;
+  lengths[45] = 16;
+  Sequences data(lengths, 11);
+  nn::GPTConfig cfg{.vocab_size = 11, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
+  ModelInit init = [cfg] {
+    auto m = std::make_unique<nn::GPT>(cfg);
+    m->to(DType::f64);
+    return m;
+  };
+  // The budget whose plan just takes a whole window of 8 short sequences in one micro-batch.
+  MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; },
+                      [&](std::int64_t n) {
+                        std::vector<Example> ex;
+                        for (std::int64_t i = 0; i < n; ++i) ex.push_back(data.get(i));
+                        return collate(ex);
+                      },
+                      {.budget = 1 << 30, .effective_batch = 8});
+  const std::int64_t window_peak = probe.predict_window(8, false).total();
+  const std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(window_peak) / 0.95) + 4096;
+  auto run = [&](TrainingArguments args, TrainOutput* out, MemoryPlan* plan) {
+    TempDir dir;
+    args.output_dir = dir.path.string();
+    std::ostringstream sink;
+    Trainer trainer(init, args, data);
+    trainer.set_log_stream(&sink);
+    *out = trainer.train();
+    if (plan) *plan = trainer.plan();
+    std::vector<Tensor> w;
+    for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
+    return w;
+  };
+  TrainOutput limited_out, reference_out;
+  MemoryPlan plan;
+  std::vector<Tensor> limited = run({.per_device_train_batch_size = kAutoBatch, .train_batch_size = 8,
+                                     .memory_budget = budget, .num_train_epochs = 2, .learning_rate = 1e-3,
+                                     .logging_steps = 1}, &limited_out, &plan);
+  CHECK(plan.micro_batch_size == 8);
+  CHECK(limited_out.oom_splits > 0);
+  MESSAGE("budget " << budget << ": micro-batch " << plan.micro_batch_size << ", " << limited_out.oom_splits
+                    << " out-of-memory splits");
+  std::vector<Tensor> reference = run({.per_device_train_batch_size = 8, .num_train_epochs = 2,
+                                       .learning_rate = 1e-3, .logging_steps = 1}, &reference_out, nullptr);
+  CHECK(reference_out.oom_splits == 0);
+  for (std::size_t i = 0; i < limited.size(); ++i) CHECK(max_relative(limited[i], reference[i]) <= 1e-10);
+}
+
+#ifdef MB_CLI_PATH
+TEST_CASE("kill -9 and resume: the resumed run ends with bitwise the same weights") {
+  TempDir dir;
+  const fs::path text = dir.path / "text.txt";
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 200; ++i) out << "the quick brown fox jumps over the lazy dog " << i << "\n";
+  }
+  auto command = [&](const fs::path& out_dir, const std::string& extra) {
+    return fmt::format("{} train --model gpt --data {} --block-size 16 --n-layer 1 --n-head 2 --n-embd 16 "
+                       "--dropout 0.1 --per-device-train-batch-size 4 --gradient-accumulation-steps 2 "
+                       "--max-steps 40 --logging-steps 1 --eval-strategy no --save-strategy steps "
+                       "--save-steps 5 --save-total-limit 2 --output-dir {} {} > /dev/null 2>&1",
+                       MB_CLI_PATH, text.string(), out_dir.string(), extra);
+  };
+  const fs::path straight = dir.path / "straight", killed = dir.path / "killed";
+  REQUIRE(std::system(command(straight, "").c_str()) == 0);
+
+  // Start the same run, SIGKILL it once it has logged step 12, then resume from its checkpoint.
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::setpgid(0, 0);  // its own process group, so one kill reaches the shell and the trainer
+    ::execl("/bin/sh", "sh", "-c", command(killed, "").c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  bool killed_mid_run = false;
+  for (int i = 0; i < 6000; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::int64_t last = 0;
+    for (auto& l : read_log(killed))
+      if (l.contains("step") && !l.contains("event")) last = l["step"];
+    if (last >= 12) {
+      ::kill(-pid, SIGKILL);
+      killed_mid_run = last < 40;
+      break;
+    }
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  REQUIRE(killed_mid_run);
+  REQUIRE(std::system(command(killed, "--resume-from-checkpoint latest").c_str()) == 0);
+  SafetensorsFile a = load_safetensors((straight / "model.safetensors").string());
+  SafetensorsFile b = load_safetensors((killed / "model.safetensors").string());
+  REQUIRE(a.tensors.size() == b.tensors.size());
+  for (auto& [name, t] : a.tensors) {
+    INFO(name);
+    CHECK(t.to_vector() == b.tensors.at(name).to_vector());
+  }
+}
+#endif

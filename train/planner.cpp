@@ -1,0 +1,311 @@
+#include "train/planner.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "core/allocator.h"
+#include "core/rng.h"
+
+namespace microbatch::train {
+
+// Note [Predicting a step's peak]: predict() builds the model as training would (arenas, AdamW
+// moments), moves it and a sample micro-batch to the meta device, and runs forward and backward
+// there. Meta tensors hold no data but go through an allocator with the CPU's caching rules (block
+// rounding, best fit, reuse of freed blocks), and every op allocates the same tensors on both
+// devices, so meta's reserved peak is the reserved peak of the same step on the CPU, byte for byte
+// (tests/core/test_memory.cpp). The optimizer step is not run on meta: it updates the arenas in
+// place and allocates nothing, so its memory is the fixed bytes already counted. The prediction is
+// the natural peak, with no budget in force: a plan whose natural peak fits under the budget never
+// makes the allocator release its cache or refuse a request. A plan is judged by the peak of a
+// whole window (Note [Uneven windows]), measured the same way with its micro-batches run in
+// sequence.
+//
+// The breakdown splits that peak exactly: weights, gradients and optimizer state are the arenas'
+// reserved blocks; activations are the step's live bytes at their high-water mark (the batch, the
+// tensors saved for backward, gradients in flight, kernel scratch); workspace is the rest of the
+// reserved peak, the blocks the caching allocator holds beyond live tensors (freed blocks kept for
+// reuse, blocks larger than their request). Workspace is the price of caching, not of the model.
+
+namespace {
+
+std::int64_t block_bytes(std::size_t bytes) {
+  return static_cast<std::int64_t>((bytes + kBlockRound - 1) / kBlockRound * kBlockRound);
+}
+
+// Empties the meta cache and puts the RNG back on every exit, so a prediction changes nothing.
+class PredictionScope {
+ public:
+  PredictionScope() : rng_(default_generator().state()) { empty_cache(kMeta); }
+  ~PredictionScope() {
+    empty_cache(kMeta);
+    default_generator().set_state(rng_);
+  }
+  PredictionScope(const PredictionScope&) = delete;
+  PredictionScope& operator=(const PredictionScope&) = delete;
+
+ private:
+  GeneratorState rng_;
+};
+
+std::string breakdown_text(const MemoryBreakdown& b) {
+  return fmt::format("weights {}, gradients {}, optimizer state {}, activations {}, workspace {}",
+                     format_bytes(b.weights), format_bytes(b.gradients),
+                     format_bytes(b.optimizer_state), format_bytes(b.activations),
+                     format_bytes(b.workspace));
+}
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::int64_t MemoryBreakdown::total() const {
+  return weights + gradients + optimizer_state + activations + workspace;
+}
+
+nlohmann::json MemoryBreakdown::to_json() const {
+  return {
+      {"weights", weights},         {"gradients", gradients}, {"optimizer_state", optimizer_state},
+      {"activations", activations}, {"workspace", workspace}, {"total", total()}};
+}
+
+std::string MemoryPlan::str() const {
+  const std::int64_t last = effective_batch - (accumulation_steps - 1) * micro_batch_size;
+  const auto usable =
+      static_cast<std::int64_t>(std::floor(static_cast<double>(budget) * (1.0 - margin)));
+  std::ostringstream os;
+  os << fmt::format("memory plan for a budget of {} ({} usable with a {:g}% margin)\n",
+                    format_bytes(budget), format_bytes(usable), margin * 100.0);
+  os << fmt::format("  {:<24}{}\n", "effective batch", effective_batch);
+  os << fmt::format("  {:<24}{}\n", "micro-batch size", micro_batch_size);
+  os << fmt::format("  {:<24}{}{}\n", "accumulation steps", accumulation_steps,
+                    micro_batch_size > 0 && last != micro_batch_size
+                        ? fmt::format(" (the last has {})", last)
+                        : "");
+  os << fmt::format("  {:<24}{}\n", "gradient checkpointing",
+                    gradient_checkpointing ? "on" : "off");
+  os << fmt::format("  {:<24}{:>12}  {:>6}\n", "predicted peak", format_bytes(predicted_peak),
+                    "share");
+  const std::pair<const char*, std::int64_t> rows[] = {
+      {"weights", breakdown.weights},
+      {"gradients", breakdown.gradients},
+      {"optimizer state", breakdown.optimizer_state},
+      {"activations", breakdown.activations},
+      {"workspace", breakdown.workspace}};
+  for (const auto& [name, bytes] : rows) {
+    const double share = predicted_peak > 0 ? 100.0 * static_cast<double>(bytes) /
+                                                  static_cast<double>(predicted_peak)
+                                            : 0.0;
+    os << fmt::format("    {:<22}{:>12}  {:>5.1f}%\n", name, format_bytes(bytes), share);
+  }
+  return os.str();
+}
+
+nlohmann::json MemoryPlan::to_json() const {
+  return {{"micro_batch_size", micro_batch_size},
+          {"accumulation_steps", accumulation_steps},
+          {"effective_batch", effective_batch},
+          {"gradient_checkpointing", gradient_checkpointing},
+          {"predicted_peak", predicted_peak},
+          {"breakdown", breakdown.to_json()},
+          {"budget", budget},
+          {"margin", margin}};
+}
+
+MemoryPlanner::MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, PlannerConfig config)
+    : make_model_(std::move(make_model)), sample_(std::move(sample)), config_(std::move(config)) {
+  MB_CHECK(make_model_ != nullptr && sample_ != nullptr,
+           "[planner] a model factory and a sample batch function are needed");
+  MB_CHECK(config_.budget > 0, "[planner] the memory budget must be positive, got {}",
+           config_.budget);
+  MB_CHECK(config_.margin >= 0.0 && config_.margin < 1.0,
+           "[planner] the margin must be in [0, 1), got {}", config_.margin);
+  MB_CHECK(config_.effective_batch >= 1, "[planner] the effective batch must be at least 1, got {}",
+           config_.effective_batch);
+  if (config_.micro_batch_size) {
+    MB_CHECK(*config_.micro_batch_size >= 1 && *config_.micro_batch_size <= config_.effective_batch,
+             "[planner] the micro-batch size {} must be in [1, {}] (the effective batch)",
+             *config_.micro_batch_size, config_.effective_batch);
+  }
+  MB_CHECK(!(config_.force_checkpointing.value_or(false) && !config_.allow_checkpointing),
+           "[planner] checkpointing is both forced and not allowed");
+  usable_ = static_cast<std::int64_t>(
+      std::floor(static_cast<double>(config_.budget) * (1.0 - config_.margin)));
+}
+
+MemoryBreakdown MemoryPlanner::predict(std::int64_t n, bool checkpointing) {
+  MB_CHECK(n >= 1, "[planner] a micro-batch needs at least one sample, got {}", n);
+  return measure({n}, checkpointing);
+}
+
+// Note [Uneven windows]: the first micro-batch of a run starts from an empty cache, the next ones
+// from the blocks their predecessors left, and may settle on a higher reserved peak; a smaller last
+// micro-batch cannot reuse the cached blocks of the larger ones at all (a block serves a request it
+// exceeds by at most a quarter), so it takes blocks of its own. The steady state of training is
+// therefore measured as a window's first micro-batch, its last, and the next window's first: on
+// the MLP, CNN and GPT the reserved peak settles by the second micro-batch and never moves again.
+std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
+  const std::int64_t effective = config_.effective_batch;
+  const std::int64_t last = effective - (ceil_div(effective, n) - 1) * n;
+  if (last == n) return {n, n};
+  return {n, last, n};
+}
+
+MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing) {
+  MB_CHECK(n >= 1 && n <= config_.effective_batch,
+           "[planner] a micro-batch size must be in [1, {}], got {}", config_.effective_batch, n);
+  return measure(window_sizes(n), checkpointing);
+}
+
+MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, bool checkpointing) {
+  const auto key = std::pair{sizes, checkpointing};
+  if (auto it = predictions_.find(key); it != predictions_.end()) return it->second;
+
+  PredictionScope scope;
+  const std::int64_t base = memory_stats(kMeta).reserved.current;  // other meta users' live bytes
+  MemoryBreakdown b;
+  {
+    std::unique_ptr<nn::Model> model = make_model_(checkpointing);
+    MB_CHECK(model != nullptr, "[planner] the model factory returned no model");
+    model->to(kMeta);
+    optim::ParamStore store(*model);
+    optim::AdamW optimizer(store, config_.adamw);
+    b.weights = block_bytes(store.weights().nbytes());
+    b.gradients = block_bytes(store.grads().nbytes());
+    b.optimizer_state = block_bytes(optimizer.state_bytes() / 2) * 2;  // two moment arenas
+    empty_cache(kMeta);  // the parameters' blocks from before the arenas
+    reset_peak_memory_stats(kMeta);
+    const MemoryStats start = memory_stats(kMeta);
+    MB_ASSERT(start.reserved.current - base >= b.weights + b.gradients + b.optimizer_state,
+              "the arenas hold {} bytes on meta, fewer than the {} they requested",
+              start.reserved.current - base, b.weights + b.gradients + b.optimizer_state);
+    std::map<std::int64_t, Batch> host;  // one host batch per size: only its shapes matter
+    for (std::int64_t n : sizes) {
+      if (!host.count(n)) {
+        host[n] = sample_(n);
+        MB_CHECK(host[n].size() == n,
+                 "[planner] the sample batch function returned {} samples, asked for {}",
+                 host[n].size(), n);
+      }
+      // As a training loop holds them, the micro-batch and the model's output (logits and loss)
+      // live until its backward has run. The host batch counts on meta once copied there.
+      const Batch& batch = host[n];
+      Tensor inputs = batch.inputs.to(kMeta);
+      Tensor labels = batch.labels.defined() ? batch.labels.to(kMeta) : Tensor();
+      nn::ModelOutput out = model->forward(inputs, labels);
+      MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
+      out.loss.backward();
+    }
+    const MemoryStats end = memory_stats(kMeta);
+    b.activations = end.allocated.peak - start.allocated.current;
+    b.workspace =
+        end.reserved.peak - base - b.weights - b.gradients - b.optimizer_state - b.activations;
+  }
+  predictions_.emplace(key, b);
+  return b;
+}
+
+bool MemoryPlanner::fits(std::int64_t n, bool checkpointing) {
+  return predict_window(n, checkpointing).total() <= usable_;
+}
+
+std::int64_t MemoryPlanner::max_micro_batch(bool checkpointing) {
+  // A window's peak is at least the peak of one step of its largest micro-batch, and that grows
+  // with n: binary search on it for the upper bound (lo fits, hi does not).
+  auto step_fits = [&](std::int64_t n) { return predict(n, checkpointing).total() <= usable_; };
+  if (!step_fits(1)) return 0;
+  std::int64_t lo = 1, hi = config_.effective_batch;
+  if (step_fits(hi)) {
+    lo = hi;
+  } else {
+    while (hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      (step_fits(mid) ? lo : hi) = mid;
+    }
+  }
+  // A window's peak is not monotone in n (it depends on the size of the last micro-batch, Note
+  // [Uneven windows]), so walk down to the largest n whose whole window fits.
+  while (lo > 0 && !fits(lo, checkpointing)) --lo;
+  return lo;
+}
+
+MemoryPlan MemoryPlanner::make_plan(std::int64_t n, bool checkpointing) {
+  MemoryPlan p;
+  p.micro_batch_size = n;
+  p.accumulation_steps = ceil_div(config_.effective_batch, n);
+  p.effective_batch = config_.effective_batch;
+  p.gradient_checkpointing = checkpointing;
+  p.breakdown = predict_window(n, checkpointing);
+  p.predicted_peak = p.breakdown.total();
+  p.budget = config_.budget;
+  p.margin = config_.margin;
+  return p;
+}
+
+void MemoryPlanner::throw_too_small(bool checkpointing) {
+  const MemoryBreakdown need = predict_window(1, checkpointing);
+  const auto budget_needed = static_cast<std::int64_t>(
+      std::ceil(static_cast<double>(need.total()) / (1.0 - config_.margin)));
+  throw OutOfMemoryError(
+      fmt::format(
+          "[planner] the budget of {} is too small for one sample: one micro-batch of 1 needs {} "
+          "({}){}; with a {:g}% margin that takes a budget of at least {} ({} bytes)",
+          format_bytes(config_.budget), format_bytes(need.total()), breakdown_text(need),
+          checkpointing ? ", with gradient checkpointing" : "", config_.margin * 100.0,
+          format_bytes(budget_needed), budget_needed),
+      static_cast<std::size_t>(need.total()));
+}
+
+// Note [Expected throughput]: a window's time is taken to be proportional to the bytes it moves.
+// Every micro-batch, whatever its size, reads the weights (forward and backward) and reads and
+// writes the gradient arena: 2 (W + G). Every sample writes its activations in forward and reads
+// them in backward: 2 A, with A the activation bytes per sample measured without checkpointing.
+// Checkpointing re-runs the forward during backward, about one pass in three more: 4/3. So for E
+// samples in micro-batches of n,
+//   time(n, ckpt) = (ceil(E / n) * 2 (W + G) + E * 2 A) * (ckpt ? 4/3 : 1),
+// and the plan with the least time has the best throughput. The optimizer step runs once per window
+// in every plan and is left out. Checkpointing therefore wins only when it cuts the number of
+// micro-batches enough: weight-heavy models (an MLP) at small micro-batches, or a budget that
+// leaves no micro-batch without it.
+MemoryPlan MemoryPlanner::plan() {
+  const std::int64_t effective = config_.effective_batch;
+  const bool may_plain = !config_.force_checkpointing.value_or(false);
+  const bool may_checkpoint =
+      config_.force_checkpointing.value_or(config_.allow_checkpointing);  // forced on, or allowed
+
+  if (config_.micro_batch_size) {  // fixed by the user: only checked
+    const std::int64_t n = *config_.micro_batch_size;
+    if (may_plain && fits(n, false)) return make_plan(n, false);
+    if (may_checkpoint && fits(n, true)) return make_plan(n, true);
+    const bool ckpt = may_checkpoint;  // the smaller need of the modes allowed
+    const MemoryBreakdown need = predict_window(n, ckpt);
+    const std::int64_t largest = max_micro_batch(ckpt);
+    if (largest == 0) throw_too_small(ckpt);
+    throw OutOfMemoryError(
+        fmt::format(
+            "[planner] the micro-batch size {} does not fit the budget of {}: it needs {} ({}), "
+            "more than the {} usable with a {:g}% margin; the largest that fits is {}",
+            n, format_bytes(config_.budget), format_bytes(need.total()), breakdown_text(need),
+            format_bytes(usable_), config_.margin * 100.0, largest),
+        static_cast<std::size_t>(need.total()));
+  }
+
+  const std::int64_t plain = may_plain ? max_micro_batch(false) : 0;
+  const std::int64_t ckpt = may_checkpoint && plain < effective ? max_micro_batch(true) : 0;
+  if (plain == 0 && ckpt == 0) throw_too_small(may_checkpoint);
+  if (ckpt <= plain) return make_plan(plain, false);
+  if (plain == 0) return make_plan(ckpt, true);
+
+  const MemoryBreakdown p = predict_window(plain, false);
+  const double per_micro_batch = 2.0 * static_cast<double>(p.weights + p.gradients);
+  const double per_sample = 2.0 * static_cast<double>(p.activations) / static_cast<double>(plain);
+  auto time = [&](std::int64_t n, double factor) {
+    return (static_cast<double>(ceil_div(effective, n)) * per_micro_batch +
+            static_cast<double>(effective) * per_sample) *
+           factor;
+  };
+  return time(ckpt, 4.0 / 3.0) < time(plain, 1.0) ? make_plan(ckpt, true) : make_plan(plain, false);
+}
+
+}  // namespace microbatch::train

@@ -1,0 +1,109 @@
+// MemoryPlanner: chooses the micro-batch size (and whether to checkpoint activations) for a memory
+// budget, holding the effective batch fixed. The fixed bytes (weight and gradient arenas, AdamW
+// moments) are counted exactly; the activation peak of a candidate micro-batch is measured by
+// running its forward and backward on the meta device, whose allocator follows the CPU's caching
+// rules, so the predicted peak is the reserved peak a real step reaches (Note [Predicting a step's
+// peak]).
+//
+//   MemoryPlanner planner(make_model, sample_batch, {.budget = 256 << 20, .effective_batch = 64});
+//   MemoryPlan plan = planner.plan();   // e.g. micro-batch 24, 3 steps (24 + 24 + 16)
+//   std::cout << plan.str();
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "nn/models.h"
+#include "optim/optimizer.h"
+#include "train/data.h"
+
+namespace microbatch::train {
+
+/// Bytes of a training step's peak, by what holds them. total() is the predicted reserved peak.
+struct MemoryBreakdown {
+  std::int64_t weights = 0;          // the weight arena
+  std::int64_t gradients = 0;        // the gradient arena
+  std::int64_t optimizer_state = 0;  // AdamW's two moment arenas
+  std::int64_t activations = 0;      // live tensors of the step at their high-water mark
+  std::int64_t workspace = 0;        // reserved at the peak beyond live tensors (cached blocks)
+  std::int64_t total() const;
+  nlohmann::json to_json() const;
+};
+
+struct MemoryPlan {
+  std::int64_t micro_batch_size = 0;    // samples per micro-batch
+  std::int64_t accumulation_steps = 0;  // ceil(effective_batch / micro_batch_size)
+  std::int64_t effective_batch = 0;     // held fixed (train_batch_size)
+  bool gradient_checkpointing = false;
+  std::int64_t predicted_peak = 0;  // bytes of reserved memory at a training window's peak
+  MemoryBreakdown breakdown;
+  std::int64_t budget = 0;
+  double margin = 0.05;  // the plan's peak must be <= budget * (1 - margin)
+  /// The plan and its predicted peak broken down, as a table.
+  std::string str() const;
+  nlohmann::json to_json() const;
+};
+
+/// Builds a fresh model for measurement; the argument says whether to checkpoint activations.
+using ModelFactory = std::function<std::unique_ptr<nn::Model>(bool gradient_checkpointing)>;
+/// A batch of n samples shaped like the training data (values irrelevant: it will be moved to
+/// meta).
+using SampleBatchFn = std::function<Batch(std::int64_t n)>;
+
+struct PlannerConfig {
+  std::int64_t budget = 0;  // bytes
+  double margin = 0.05;
+  std::int64_t effective_batch = 0;  // train_batch_size
+  bool allow_checkpointing = true;
+  std::optional<bool> force_checkpointing;  // user's gradient_checkpointing if set
+  std::optional<std::int64_t>
+      micro_batch_size;        // user fixed per_device_train_batch_size (then only checked)
+  optim::AdamWConfig adamw{};  // the optimizer whose state is counted
+};
+
+class MemoryPlanner {
+ public:
+  MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, PlannerConfig config);
+
+  /// Predicted peak (and breakdown) of one full training step (forward + backward of one
+  /// micro-batch of n samples with all arenas and optimizer state live, plus the optimizer step)
+  /// on the meta device. Leaves no allocation behind on meta or on the CPU, nor a changed RNG.
+  MemoryBreakdown predict(std::int64_t n, bool checkpointing);
+  /// The plan with the best expected throughput (Note [Expected throughput]) whose predicted peak
+  /// fits budget * (1 - margin). Throws OutOfMemoryError (a microbatch::Error) saying how much is
+  /// needed when even one sample does not fit, or when a fixed micro_batch_size does not.
+  MemoryPlan plan();
+  /// Largest micro-batch size (at most the effective batch) whose predicted window peak fits, for a
+  /// given checkpointing choice (0 if none).
+  std::int64_t max_micro_batch(bool checkpointing);
+  /// Predicted peak of a window of micro-batches of n (the last one smaller when n does not divide
+  /// the effective batch) followed by the next window's first micro-batch: the steady-state peak of
+  /// training with that micro-batch size (Note [Uneven windows]). Plans are judged by this.
+  MemoryBreakdown predict_window(std::int64_t n, bool checkpointing);
+  /// budget * (1 - margin), rounded down: the most a plan's predicted peak may be.
+  std::int64_t usable_budget() const { return usable_; }
+
+ private:
+  bool fits(std::int64_t n, bool checkpointing);
+  /// The peak of micro-batches of these sizes in sequence, on one model (memoized).
+  MemoryBreakdown measure(const std::vector<std::int64_t>& sizes, bool checkpointing);
+  std::vector<std::int64_t> window_sizes(std::int64_t n) const;
+  MemoryPlan make_plan(std::int64_t n, bool checkpointing);
+  [[noreturn]] void throw_too_small(bool checkpointing);
+
+  ModelFactory make_model_;
+  SampleBatchFn sample_;
+  PlannerConfig config_;
+  std::int64_t usable_ = 0;
+  std::map<std::pair<std::vector<std::int64_t>, bool>, MemoryBreakdown>
+      predictions_;  // (sizes, ckpt)
+};
+
+}  // namespace microbatch::train

@@ -1,0 +1,449 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <set>
+
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+
+namespace microbatch::train {
+
+// ---- metrics -----------------------------------------------------------------------------------
+
+Metrics classification_metrics(const EvalPrediction& p) {
+  MB_CHECK(p.logits.dim() == 2 && p.labels.dim() == 1 && p.labels.shape()[0] == p.logits.shape()[0],
+           "[classification_metrics] expected logits (N, C) and labels (N), got {} and {}",
+           shape_str(p.logits.shape()), shape_str(p.labels.shape()));
+  std::vector<double> pred = argmax(p.logits, 1).to_vector(), gold = p.labels.to_vector();
+  std::set<std::int64_t> classes;
+  std::map<std::int64_t, double> tp, fp, fn;
+  double correct = 0;
+  for (std::size_t i = 0; i < gold.size(); ++i) {
+    const auto y = static_cast<std::int64_t>(gold[i]), yhat = static_cast<std::int64_t>(pred[i]);
+    classes.insert(y);
+    classes.insert(yhat);
+    if (y == yhat) {
+      ++correct;
+      ++tp[y];
+    } else {
+      ++fp[yhat];
+      ++fn[y];
+    }
+  }
+  double precision = 0, recall = 0, f1 = 0;
+  for (std::int64_t c : classes) {
+    const double pc = tp[c] + fp[c] > 0 ? tp[c] / (tp[c] + fp[c]) : 0.0;
+    const double rc = tp[c] + fn[c] > 0 ? tp[c] / (tp[c] + fn[c]) : 0.0;
+    precision += pc;
+    recall += rc;
+    f1 += pc + rc > 0 ? 2 * pc * rc / (pc + rc) : 0.0;
+  }
+  const double k = classes.empty() ? 1.0 : static_cast<double>(classes.size());
+  return {{"accuracy", gold.empty() ? 0.0 : correct / static_cast<double>(gold.size())},
+          {"precision", precision / k},
+          {"recall", recall / k},
+          {"f1", f1 / k}};
+}
+
+// ---- set-up and planning -----------------------------------------------------------------------
+
+Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& train_set,
+                 const Dataset* eval_set, ComputeMetrics compute_metrics)
+    : model_init_(std::move(model_init)),
+      args_(std::move(args)),
+      train_set_(train_set),
+      eval_set_(eval_set),
+      compute_metrics_(std::move(compute_metrics)),
+      log_stream_(&std::cout) {
+  args_.validate();
+  MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
+  empty_cache(kCPU);
+  baseline_ = memory_stats(kCPU).reserved.current;
+  manual_seed(args_.seed);
+  model_ = model_init_();
+  MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
+  plan_ = make_plan();
+  model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
+  eval_batch_size_ = args_.per_device_eval_batch_size;
+  if (args_.memory_budget > 0) {
+    // Evaluation keeps no activations for backward, so the training micro-batch always fits.
+    eval_batch_size_ = std::min(eval_batch_size_, std::max<std::int64_t>(plan_.micro_batch_size, 1));
+  }
+}
+
+Trainer::~Trainer() = default;
+
+MemoryPlan Trainer::make_plan() {
+  const BatchTriad triad = resolve_batch_triad(args_);
+  if (args_.memory_budget == 0) {
+    MemoryPlan p;
+    p.micro_batch_size = triad.micro;
+    p.accumulation_steps = triad.accumulation;
+    p.effective_batch = triad.effective;
+    p.gradient_checkpointing = args_.gradient_checkpointing;
+    return p;
+  }
+  PlannerConfig config;
+  config.budget = args_.memory_budget;
+  config.effective_batch = triad.effective;
+  if (args_.gradient_checkpointing) config.force_checkpointing = true;
+  if (triad.micro > 0) config.micro_batch_size = triad.micro;
+  config.adamw = {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
+                  .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay};
+  // Measuring builds models: keep the random stream the training run will see untouched.
+  const GeneratorState rng = default_generator().state();
+  MemoryPlanner planner(
+      [this](bool checkpointing) {
+        std::unique_ptr<nn::Model> m = model_init_();
+        m->set_gradient_checkpointing(checkpointing);
+        return m;
+      },
+      [this](std::int64_t n) {
+        std::vector<std::int64_t> indices(static_cast<std::size_t>(n));
+        for (std::int64_t i = 0; i < n; ++i) indices[i] = i % train_set_.size();
+        std::vector<Example> examples;
+        for (std::int64_t i : indices) examples.push_back(train_set_.get(i));
+        return collate(examples);
+      },
+      config);
+  MemoryPlan p = planner.plan();
+  default_generator().set_state(rng);
+  return p;
+}
+
+// ---- training ----------------------------------------------------------------------------------
+
+namespace {
+
+// Enforces baseline + budget on the CPU allocator in its scope (Note [What the budget covers]).
+struct BudgetGuard {
+  BudgetGuard(std::int64_t baseline, std::int64_t budget) : previous(allocator(kCPU).budget()) {
+    if (budget > 0) set_memory_budget(kCPU, static_cast<std::size_t>(baseline + budget));
+  }
+  ~BudgetGuard() { allocator(kCPU).set_budget(previous); }
+  std::optional<std::size_t> previous;
+};
+
+using Chunk = std::vector<std::int64_t>;
+
+std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::int64_t micro) {
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < indices.size(); i += static_cast<std::size_t>(micro)) {
+    chunks.emplace_back(indices.begin() + static_cast<std::ptrdiff_t>(i),
+                        indices.begin() + static_cast<std::ptrdiff_t>(std::min(indices.size(), i + micro)));
+  }
+  return chunks;
+}
+
+std::string iso_bytes(std::int64_t b) { return format_bytes(b); }
+
+}  // namespace
+
+// Note [Out-of-memory recovery]: a micro-batch that throws OutOfMemoryError is abandoned (its
+// partial graph dies with the stack frame), split in two, and both halves are run in its place
+// with their own item shares, so the window still sums to the full batch's gradient. Finished
+// micro-batches are kept. Only if some of the abandoned micro-batch's gradient had already landed
+// in the arena (its version moved) would keeping them double-count; then the window's gradient is
+// zeroed and the whole window re-run with the split, which is exact too (and logged as such).
+TrainOutput Trainer::train() {
+  namespace fs = std::filesystem;
+  fs::create_directories(args_.output_dir);
+  std::ofstream log_file(fs::path(args_.output_dir) / "log.jsonl", std::ios::app);
+  MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
+  std::ostream& out = *log_stream_;
+  const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
+
+  model_->train();
+  optim::ParamStore store(*model_);
+  optim::AdamW adamw(store, {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
+                             .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
+  DataLoader loader(train_set_, {.batch_size = plan_.effective_batch, .shuffle = true, .seed = args_.seed,
+                                 .prefetch = 0});
+  const std::int64_t windows_per_epoch = loader.num_batches();
+  const std::int64_t total_steps =
+      args_.max_steps > 0 ? args_.max_steps
+                          : static_cast<std::int64_t>(std::ceil(args_.num_train_epochs * static_cast<double>(windows_per_epoch)));
+  const std::int64_t warmup =
+      args_.warmup_steps > 0 ? args_.warmup_steps
+                             : static_cast<std::int64_t>(std::ceil(args_.warmup_ratio * static_cast<double>(total_steps)));
+  optim::LRScheduler scheduler(adamw, {.type = optim::parse_schedule(args_.lr_scheduler_type),
+                                       .warmup_steps = warmup, .total_steps = total_steps});
+
+  std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0;
+  double loss_sum = 0.0;
+  if (!args_.resume_from_checkpoint.empty()) {
+    std::optional<ResumePoint> point;
+    if (args_.resume_from_checkpoint == "latest") {
+      point = load_latest_checkpoint(args_.output_dir);
+      MB_CHECK(point.has_value(), "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
+               args_.output_dir);
+    } else {
+      point = ResumePoint{args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
+    }
+    const nlohmann::json& st = point->data.trainer_state;
+    model_->load_state_dict(point->data.model);
+    adamw.load_state_dict(point->data.optimizer);
+    step = st.at("global_step").get<std::int64_t>();
+    epoch = st.at("epoch").get<std::int64_t>();
+    window = st.at("window").get<std::int64_t>();
+    samples = st.at("samples").get<std::int64_t>();
+    tokens = st.at("tokens").get<std::int64_t>();
+    loss_sum = st.at("loss_sum").get<double>();
+    scheduler.set_steps(st.at("scheduler_steps").get<std::int64_t>());
+    default_generator().set_state({st.at("rng_seed").get<std::uint64_t>(), st.at("rng_offset").get<std::uint64_t>()});
+    out << "resumed from " << point->path << " at step " << step << "\n";
+  }
+
+  auto save = [&] {
+    CheckpointData data;
+    for (auto& [name, t] : model_->state_dict()) data.model[name] = t;
+    for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
+    const GeneratorState rng = default_generator().state();
+    data.trainer_state = {{"global_step", step}, {"epoch", epoch}, {"window", window}, {"samples", samples},
+                          {"tokens", tokens}, {"loss_sum", loss_sum}, {"scheduler_steps", scheduler.steps()},
+                          {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
+                          {"args", args_.to_json()}};
+    const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
+    log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
+    log_file.flush();
+  };
+  auto evaluate_now = [&] {
+    Metrics m = run_evaluation(*eval_set_, nullptr);
+    nlohmann::json line{{"event", "eval"}, {"step", step}};
+    for (auto& [k, v] : m) line[k] = v;
+    log_file << line.dump() << "\n";
+    log_file.flush();
+    if (args_.json) {
+      out << line.dump() << "\n";
+    } else {
+      if (tty) out << "\n";
+      out << "eval  step " << step;
+      for (auto& [k, v] : m) out << fmt::format(" | {} {:.4f}", k, v);
+      out << "\n";
+    }
+    out.flush();
+    return m;
+  };
+
+  // Blocks cached by planning or by moving the weights into the arena are not the step's memory.
+  empty_cache(kCPU);
+  BudgetGuard budget(baseline_, args_.memory_budget);
+  reset_peak_memory_stats(kCPU);
+  Metrics last_eval;
+  const bool token_labels = train_set_.get(0).label.dim() > 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t eval_every = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;
+  store.zero_grad();
+  loader.set_epoch(epoch);
+  while (step < total_steps) {
+    if (window >= windows_per_epoch) {
+      if (eval_set_ && args_.eval_strategy == "epoch") last_eval = evaluate_now();
+      ++epoch;
+      window = 0;
+      loader.set_epoch(epoch);
+      if (args_.save_strategy == "epoch") save();
+      continue;
+    }
+    const std::vector<std::int64_t> indices = loader.batch_indices(window);
+    std::vector<Chunk> chunks = split_window(indices, plan_.micro_batch_size);
+    auto items_of = [&](const Chunk& c) -> std::int64_t {
+      return token_labels ? loader.batch_for(c).num_items : static_cast<std::int64_t>(c.size());
+    };
+    std::int64_t window_items = 0;
+    for (const Chunk& c : chunks) window_items += items_of(c);
+
+    std::deque<Chunk> queue(chunks.begin(), chunks.end());
+    double window_loss = 0.0;
+    std::int64_t micro_batches = 0, window_tokens = 0;
+    while (!queue.empty()) {
+      Chunk chunk = queue.front();
+      queue.pop_front();
+      const std::int64_t version = store.grads().version();
+      try {
+        Batch b = loader.batch_for(chunk);
+        const double w = window_items > 0 ? static_cast<double>(b.num_items) / static_cast<double>(window_items) : 0.0;
+        nn::ModelOutput o = model_->forward(b.inputs, b.labels);
+        {
+          GradWeightGuard weight(w);
+          o.loss.backward();
+        }
+        window_loss += w * o.loss.item();
+        window_tokens += token_labels ? b.num_items : 0;
+        ++micro_batches;
+      } catch (const OutOfMemoryError& e) {
+        MB_CHECK(chunk.size() > 1, "[Trainer] one sample does not fit in the memory budget of {}: {}",
+                 iso_bytes(args_.memory_budget), e.what());
+        const std::size_t half = chunk.size() / 2;
+        Chunk first(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(half));
+        Chunk second(chunk.begin() + static_cast<std::ptrdiff_t>(half), chunk.end());
+        ++oom_splits;
+        const bool restart = store.grads().version() != version;
+        nlohmann::json event{{"event", "oom_split"}, {"step", step + 1}, {"micro_batch", chunk.size()},
+                             {"into", {first.size(), second.size()}}, {"window_restarted", restart}};
+        log_file << event.dump() << "\n";
+        log_file.flush();
+        if (restart) {
+          // Part of this micro-batch's gradient had landed: redo the window from zero, exactly.
+          store.zero_grad();
+          std::deque<Chunk> redo;
+          for (const Chunk& c : chunks) {
+            if (c == chunk) {
+              redo.push_back(first);
+              redo.push_back(second);
+            } else {
+              redo.push_back(c);
+            }
+          }
+          chunks.assign(redo.begin(), redo.end());
+          queue = redo;
+          window_loss = 0.0;
+          micro_batches = 0;
+          window_tokens = 0;
+        } else {
+          queue.push_front(second);
+          queue.push_front(first);
+          for (auto it = chunks.begin(); it != chunks.end(); ++it) {
+            if (*it == chunk) {
+              it = chunks.erase(it);
+              it = chunks.insert(it, second);
+              chunks.insert(it, first);
+              break;
+            }
+          }
+        }
+      }
+    }
+
+    const optim::ParamStore::GradNorm norm = store.grad_norm();
+    const double clip = args_.max_grad_norm > 0 ? std::min(1.0, args_.max_grad_norm / (norm.norm + 1e-6)) : 1.0;
+    const double lr = adamw.lr();
+    adamw.step({.grad_scale = clip});
+    scheduler.step();
+    store.zero_grad();
+    ++step;
+    ++window;
+    samples += static_cast<std::int64_t>(indices.size());
+    tokens += window_tokens;
+    loss_sum += window_loss;
+
+    if (step % args_.logging_steps == 0 || step == total_steps) {
+      const MemoryStats stats = memory_stats(kCPU);
+      const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      nlohmann::json line{{"step", step},
+                          {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
+                          {"loss", window_loss},
+                          {"learning_rate", lr},
+                          {"grad_norm", norm.norm},
+                          {"samples", samples},
+                          {"tokens", tokens},
+                          {"micro_batch_size", plan_.micro_batch_size},
+                          {"steps_per_window", micro_batches},
+                          {"predicted_peak", plan_.predicted_peak},
+                          {"measured_peak", stats.reserved.peak - baseline_},
+                          {"oom_splits", oom_splits},
+                          {"seconds", secs}};
+      log_file << line.dump() << "\n";
+      log_file.flush();
+      if (args_.json) {
+        out << line.dump() << "\n";
+      } else if (tty) {
+        const int width = 30;
+        const int done = static_cast<int>(width * step / total_steps);
+        out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
+                           std::string(width - done, ' '), step, total_steps, window_loss, lr,
+                           iso_bytes(stats.reserved.peak - baseline_));
+        if (step == total_steps) out << "\n";
+      } else {
+        out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
+                           "micro {} x {} | peak {} (predicted {})\n",
+                           step, total_steps, line["epoch"].get<double>(), window_loss, lr, norm.norm,
+                           plan_.micro_batch_size, micro_batches, iso_bytes(stats.reserved.peak - baseline_),
+                           plan_.predicted_peak > 0 ? iso_bytes(plan_.predicted_peak) : std::string("-"));
+      }
+      out.flush();
+      reset_peak_memory_stats(kCPU);
+    }
+    if (eval_set_ && args_.eval_strategy == "steps" && step % eval_every == 0) last_eval = evaluate_now();
+    if (args_.save_strategy == "steps" && step % args_.save_steps == 0) save();
+    if (on_step_) on_step_(step);
+  }
+  if (eval_set_ && args_.eval_strategy == "epoch" && window >= windows_per_epoch) last_eval = evaluate_now();
+  save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
+
+  TrainOutput result;
+  result.global_step = step;
+  result.training_loss = step > 0 ? loss_sum / static_cast<double>(step) : 0.0;
+  result.metrics = last_eval;
+  result.oom_splits = oom_splits;
+  return result;
+}
+
+// ---- evaluation --------------------------------------------------------------------------------
+
+Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
+  NoGradGuard no_grad;
+  const bool was_training = model_->is_training();
+  model_->eval();
+  const bool collect = keep != nullptr || static_cast<bool>(compute_metrics_);
+  for (;;) {
+    try {
+      DataLoader loader(data, {.batch_size = eval_batch_size_, .prefetch = 0});
+      double loss_sum = 0.0;
+      std::int64_t items = 0;
+      std::vector<Tensor> logits, labels;
+      bool token_labels = false;
+      while (auto batch = loader.next()) {
+        nn::ModelOutput o = model_->forward(batch->inputs, batch->labels);
+        loss_sum += o.loss.item() * static_cast<double>(batch->num_items);
+        items += batch->num_items;
+        token_labels = batch->labels.dim() > 1;
+        if (collect) {
+          logits.push_back(o.logits);
+          labels.push_back(batch->labels);
+        }
+      }
+      model_->train(was_training);
+      Metrics m;
+      m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+      if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
+      if (collect && !logits.empty()) {
+        EvalPrediction p{cat(logits, 0), cat(labels, 0)};
+        if (compute_metrics_)
+          for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
+        if (keep) {
+          keep->predictions = p.logits;
+          keep->label_ids = p.labels;
+        }
+      }
+      return m;
+    } catch (const OutOfMemoryError&) {
+      // Evaluation shrinks its own batch; the training plan is never touched.
+      MB_CHECK(eval_batch_size_ > 1, "[Trainer] one evaluation sample does not fit in the memory budget");
+      eval_batch_size_ /= 2;
+    }
+  }
+}
+
+Metrics Trainer::evaluate() {
+  MB_CHECK(eval_set_ != nullptr, "[Trainer] evaluate() needs an eval_dataset");
+  BudgetGuard budget(baseline_, args_.memory_budget);
+  return run_evaluation(*eval_set_, nullptr);
+}
+
+PredictionOutput Trainer::predict(const Dataset& data) {
+  BudgetGuard budget(baseline_, args_.memory_budget);
+  PredictionOutput out;
+  Metrics m = run_evaluation(data, &out);
+  for (auto& [k, v] : m) out.metrics["test_" + k.substr(5)] = v;
+  return out;
+}
+
+}  // namespace microbatch::train

@@ -1,0 +1,188 @@
+#include "train/training_args.h"
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+
+#include "core/error.h"
+#include "optim/schedule.h"
+
+namespace microbatch::train {
+
+std::int64_t parse_bytes(const std::string& text) {
+  std::size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    MB_CHECK(false, "[memory_budget] cannot read '{}' as a size (e.g. 512MiB, 2GB, 1000000)", text);
+  }
+  std::string unit = text.substr(pos);
+  while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
+  double scale = 1;
+  if (unit.empty() || unit == "B") scale = 1;
+  else if (unit == "KB" || unit == "kB") scale = 1e3;
+  else if (unit == "MB") scale = 1e6;
+  else if (unit == "GB") scale = 1e9;
+  else if (unit == "TB") scale = 1e12;
+  else if (unit == "KiB") scale = 1024.0;
+  else if (unit == "MiB") scale = 1024.0 * 1024;
+  else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
+  else if (unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
+  else MB_CHECK(false, "[memory_budget] unknown unit '{}' in '{}': use B, KB, MB, GB, KiB, MiB or GiB", unit, text);
+  MB_CHECK(value >= 0 && std::isfinite(value), "[memory_budget] size must be non-negative, got '{}'", text);
+  return static_cast<std::int64_t>(std::llround(value * scale));
+}
+
+void TrainingArguments::validate() const {
+  MB_CHECK(per_device_train_batch_size >= 0,
+           "[TrainingArguments] per_device_train_batch_size must be >= 1 or auto, got {}",
+           per_device_train_batch_size);
+  MB_CHECK(per_device_eval_batch_size >= 1, "[TrainingArguments] per_device_eval_batch_size must be >= 1, got {}",
+           per_device_eval_batch_size);
+  MB_CHECK(gradient_accumulation_steps >= 1, "[TrainingArguments] gradient_accumulation_steps must be >= 1, got {}",
+           gradient_accumulation_steps);
+  MB_CHECK(train_batch_size >= 0, "[TrainingArguments] train_batch_size must be >= 0, got {}", train_batch_size);
+  MB_CHECK(memory_budget >= 0, "[TrainingArguments] memory_budget must be >= 0, got {}", memory_budget);
+  MB_CHECK(per_device_train_batch_size != kAutoBatch || memory_budget > 0,
+           "[TrainingArguments] per_device_train_batch_size = auto needs a memory_budget to plan against");
+  MB_CHECK(max_steps > 0 || num_train_epochs > 0, "[TrainingArguments] set max_steps > 0 or num_train_epochs > 0");
+  MB_CHECK(learning_rate >= 0, "[TrainingArguments] learning_rate must be >= 0, got {}", learning_rate);
+  MB_CHECK(max_grad_norm >= 0, "[TrainingArguments] max_grad_norm must be >= 0, got {}", max_grad_norm);
+  MB_CHECK(warmup_ratio >= 0 && warmup_ratio <= 1, "[TrainingArguments] warmup_ratio must be in [0, 1], got {}",
+           warmup_ratio);
+  MB_CHECK(logging_steps >= 1, "[TrainingArguments] logging_steps must be >= 1, got {}", logging_steps);
+  MB_CHECK(eval_strategy == "no" || eval_strategy == "steps" || eval_strategy == "epoch",
+           "[TrainingArguments] eval_strategy must be no, steps or epoch, got '{}'", eval_strategy);
+  MB_CHECK(save_strategy == "no" || save_strategy == "steps" || save_strategy == "epoch",
+           "[TrainingArguments] save_strategy must be no, steps or epoch, got '{}'", save_strategy);
+  MB_CHECK(save_steps >= 1, "[TrainingArguments] save_steps must be >= 1, got {}", save_steps);
+  optim::parse_schedule(lr_scheduler_type);
+  resolve_batch_triad(*this);
+}
+
+BatchTriad resolve_batch_triad(const TrainingArguments& a) {
+  const std::int64_t micro = a.per_device_train_batch_size, steps = a.gradient_accumulation_steps;
+  if (a.train_batch_size == 0) {
+    MB_CHECK(micro != kAutoBatch, "[TrainingArguments] per_device_train_batch_size = auto needs train_batch_size "
+             "(the effective batch to hold fixed)");
+    return {micro * steps, micro, steps};
+  }
+  const std::int64_t effective = a.train_batch_size;
+  if (micro == kAutoBatch) {
+    if (steps == 1) return {effective, 0, 0};  // the planner chooses the split
+    MB_CHECK(effective % steps == 0, "[TrainingArguments] train_batch_size {} is not divisible by "
+             "gradient_accumulation_steps {}", effective, steps);
+    return {effective, effective / steps, steps};
+  }
+  if (steps == 1) {  // derive the accumulation steps; the window's last micro-batch may be smaller
+    return {effective, std::min(micro, effective), (effective + micro - 1) / micro};
+  }
+  MB_CHECK(micro * steps == effective,
+           "[TrainingArguments] per_device_train_batch_size {} x gradient_accumulation_steps {} = {} "
+           "does not equal train_batch_size {}; give two of the three", micro, steps, micro * steps, effective);
+  return {effective, micro, steps};
+}
+
+nlohmann::json TrainingArguments::to_json() const {
+  nlohmann::json j;
+  j["output_dir"] = output_dir;
+  j["per_device_train_batch_size"] =
+      per_device_train_batch_size == kAutoBatch ? nlohmann::json("auto") : nlohmann::json(per_device_train_batch_size);
+  j["per_device_eval_batch_size"] = per_device_eval_batch_size;
+  j["gradient_accumulation_steps"] = gradient_accumulation_steps;
+  j["train_batch_size"] = train_batch_size;
+  j["memory_budget"] = memory_budget;
+  j["num_train_epochs"] = num_train_epochs;
+  j["max_steps"] = max_steps;
+  j["learning_rate"] = learning_rate;
+  j["weight_decay"] = weight_decay;
+  j["adam_beta1"] = adam_beta1;
+  j["adam_beta2"] = adam_beta2;
+  j["adam_epsilon"] = adam_epsilon;
+  j["max_grad_norm"] = max_grad_norm;
+  j["lr_scheduler_type"] = lr_scheduler_type;
+  j["warmup_steps"] = warmup_steps;
+  j["warmup_ratio"] = warmup_ratio;
+  j["logging_steps"] = logging_steps;
+  j["eval_strategy"] = eval_strategy;
+  j["eval_steps"] = eval_steps;
+  j["save_strategy"] = save_strategy;
+  j["save_steps"] = save_steps;
+  j["save_total_limit"] = save_total_limit;
+  j["resume_from_checkpoint"] = resume_from_checkpoint;
+  j["gradient_checkpointing"] = gradient_checkpointing;
+  j["seed"] = seed;
+  return j;
+}
+
+TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
+  MB_CHECK(j.is_object(), "[TrainingArguments] expected a JSON object");
+  TrainingArguments a;
+  const nlohmann::json known = a.to_json();
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    MB_CHECK(known.contains(it.key()) || it.key() == "json", "[TrainingArguments] unknown argument '{}'", it.key());
+  }
+  auto get = [&](const char* name, auto& field) {
+    if (!j.contains(name)) return;
+    try {
+      j.at(name).get_to(field);
+    } catch (const nlohmann::json::exception&) {
+      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, j.at(name).dump());
+    }
+  };
+  get("output_dir", a.output_dir);
+  if (j.contains("per_device_train_batch_size")) {
+    const auto& v = j.at("per_device_train_batch_size");
+    if (v.is_string()) {
+      MB_CHECK(v.get<std::string>() == "auto", "[TrainingArguments] per_device_train_batch_size must be a number "
+               "or \"auto\", got {}", v.dump());
+      a.per_device_train_batch_size = kAutoBatch;
+    } else {
+      get("per_device_train_batch_size", a.per_device_train_batch_size);
+    }
+  }
+  get("per_device_eval_batch_size", a.per_device_eval_batch_size);
+  get("gradient_accumulation_steps", a.gradient_accumulation_steps);
+  get("train_batch_size", a.train_batch_size);
+  if (j.contains("memory_budget")) {
+    const auto& v = j.at("memory_budget");
+    a.memory_budget = v.is_string() ? parse_bytes(v.get<std::string>()) : v.get<std::int64_t>();
+  }
+  get("num_train_epochs", a.num_train_epochs);
+  get("max_steps", a.max_steps);
+  get("learning_rate", a.learning_rate);
+  get("weight_decay", a.weight_decay);
+  get("adam_beta1", a.adam_beta1);
+  get("adam_beta2", a.adam_beta2);
+  get("adam_epsilon", a.adam_epsilon);
+  get("max_grad_norm", a.max_grad_norm);
+  get("lr_scheduler_type", a.lr_scheduler_type);
+  get("warmup_steps", a.warmup_steps);
+  get("warmup_ratio", a.warmup_ratio);
+  get("logging_steps", a.logging_steps);
+  get("eval_strategy", a.eval_strategy);
+  get("eval_steps", a.eval_steps);
+  get("save_strategy", a.save_strategy);
+  get("save_steps", a.save_steps);
+  get("save_total_limit", a.save_total_limit);
+  get("resume_from_checkpoint", a.resume_from_checkpoint);
+  get("gradient_checkpointing", a.gradient_checkpointing);
+  get("seed", a.seed);
+  get("json", a.json);
+  return a;
+}
+
+TrainingArguments TrainingArguments::load(const std::string& path) {
+  std::ifstream in(path);
+  MB_CHECK(in.good(), "[TrainingArguments] cannot open '{}'", path);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    MB_CHECK(false, "[TrainingArguments] '{}' is not valid JSON: {}", path, e.what());
+  }
+  return from_json(j);
+}
+
+}  // namespace microbatch::train
