@@ -143,6 +143,31 @@ std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::i
   return chunks;
 }
 
+// Note [Token-budget micro-batches]: with variable-length sequences a micro-batch's memory follows
+// its padded tokens (rows x longest row), not its row count. The plan was measured on the first
+// examples, padded to their longest, so micro x that length is the token count known to fit; each
+// window is packed greedily, in order, into micro-batches that stay within it (a sequence longer
+// than the whole budget gets a micro-batch of its own, and the out-of-memory path still guards it).
+std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const std::vector<std::int64_t>& lengths,
+                               std::int64_t token_budget) {
+  std::vector<Chunk> chunks;
+  Chunk current;
+  std::int64_t longest = 0;
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    const std::int64_t l = lengths[i];
+    const std::int64_t rows = static_cast<std::int64_t>(current.size()) + 1;
+    if (!current.empty() && rows * std::max(longest, l) > token_budget) {
+      chunks.push_back(std::move(current));
+      current.clear();
+      longest = 0;
+    }
+    current.push_back(indices[i]);
+    longest = std::max(longest, l);
+  }
+  if (!current.empty()) chunks.push_back(std::move(current));
+  return chunks;
+}
+
 std::string iso_bytes(std::int64_t b) { return format_bytes(b); }
 
 }  // namespace
@@ -239,6 +264,13 @@ TrainOutput Trainer::train() {
   reset_peak_memory_stats(kCPU);
   Metrics last_eval;
   const bool token_labels = train_set_.get(0).label.dim() > 0;
+  std::int64_t token_budget = 0;  // Note [Token-budget micro-batches]
+  if (token_labels && args_.memory_budget > 0 && args_.pack_by_tokens) {
+    std::int64_t sample_length = 0;
+    for (std::int64_t i = 0; i < std::min(plan_.micro_batch_size, train_set_.size()); ++i)
+      sample_length = std::max(sample_length, train_set_.get(i).input.numel());
+    token_budget = plan_.micro_batch_size * sample_length;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t eval_every = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;
   store.zero_grad();
@@ -253,7 +285,14 @@ TrainOutput Trainer::train() {
       continue;
     }
     const std::vector<std::int64_t> indices = loader.batch_indices(window);
-    std::vector<Chunk> chunks = split_window(indices, plan_.micro_batch_size);
+    std::vector<Chunk> chunks;
+    if (token_budget > 0) {
+      std::vector<std::int64_t> lengths;
+      for (std::int64_t i : indices) lengths.push_back(train_set_.get(i).input.numel());
+      chunks = pack_window(indices, lengths, token_budget);
+    } else {
+      chunks = split_window(indices, plan_.micro_batch_size);
+    }
     auto items_of = [&](const Chunk& c) -> std::int64_t {
       return token_labels ? loader.batch_for(c).num_items : static_cast<std::int64_t>(c.size());
     };
@@ -345,6 +384,7 @@ TrainOutput Trainer::train() {
                           {"samples", samples},
                           {"tokens", tokens},
                           {"micro_batch_size", plan_.micro_batch_size},
+                          {"token_budget", token_budget},
                           {"steps_per_window", micro_batches},
                           {"predicted_peak", plan_.predicted_peak},
                           {"measured_peak", stats.reserved.peak - baseline_},

@@ -112,6 +112,7 @@ nlohmann::json TrainingArguments::to_json() const {
   j["save_total_limit"] = save_total_limit;
   j["resume_from_checkpoint"] = resume_from_checkpoint;
   j["gradient_checkpointing"] = gradient_checkpointing;
+  j["pack_by_tokens"] = pack_by_tokens;
   j["seed"] = seed;
   return j;
 }
@@ -168,6 +169,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("save_total_limit", a.save_total_limit);
   get("resume_from_checkpoint", a.resume_from_checkpoint);
   get("gradient_checkpointing", a.gradient_checkpointing);
+  get("pack_by_tokens", a.pack_by_tokens);
   get("seed", a.seed);
   get("json", a.json);
   return a;

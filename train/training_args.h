@@ -41,6 +41,9 @@ struct TrainingArguments {
   std::int64_t save_total_limit = 0;             // keep at most this many checkpoints; 0 = all
   std::string resume_from_checkpoint;            // a checkpoint folder, or "latest" in output_dir
   bool gradient_checkpointing = false;           // force activation checkpointing on
+  /// With a memory_budget and variable-length token sequences: pack each window's micro-batches by
+  /// padded tokens (rows x longest row <= the plan's tokens) rather than by a count of sequences.
+  bool pack_by_tokens = true;
   std::uint64_t seed = 42;
   bool json = false;                             // log lines as JSON (not a Hugging Face name)
 

@@ -257,9 +257,11 @@ TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weigh
   };
   TrainOutput limited_out, reference_out;
   MemoryPlan plan;
+  // Packing by tokens would keep the long sequences out of full micro-batches; this test is about
+  // the out-of-memory path, so micro-batches are by count here.
   std::vector<Tensor> limited = run({.per_device_train_batch_size = kAutoBatch, .train_batch_size = 8,
                                      .memory_budget = budget, .num_train_epochs = 2, .learning_rate = 1e-3,
-                                     .logging_steps = 1}, &limited_out, &plan);
+                                     .logging_steps = 1, .pack_by_tokens = false}, &limited_out, &plan);
   CHECK(plan.micro_batch_size == 8);
   CHECK(limited_out.oom_splits > 0);
   MESSAGE("budget " << budget << ": micro-batch " << plan.micro_batch_size << ", " << limited_out.oom_splits
@@ -321,3 +323,54 @@ TEST_CASE("kill -9 and resume: the resumed run ends with bitwise the same weight
   }
 }
 #endif
+
+TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-memory, same result") {
+  // The first 12 sequences (what the planner samples) are short; later ones alternate 4 and 16.
+  std::vector<std::int64_t> lengths(48, 4);
+  for (int i = 12; i < 48; i += 2) lengths[i] = 16;
+  Sequences data(lengths, 13);
+  nn::GPTConfig cfg{.vocab_size = 13, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
+  ModelInit init = [cfg] {
+    auto m = std::make_unique<nn::GPT>(cfg);
+    m->to(DType::f64);
+    return m;
+  };
+  MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; },
+                      [&](std::int64_t n) {
+                        std::vector<Example> ex;
+                        for (std::int64_t i = 0; i < n; ++i) ex.push_back(data.get(i));
+                        return collate(ex);
+                      },
+                      {.budget = 1 << 30, .effective_batch = 12});
+  const std::int64_t budget =
+      static_cast<std::int64_t>(static_cast<double>(probe.predict_window(12, false).total()) / 0.95) + 4096;
+  auto run = [&](bool pack, TrainOutput* out, std::int64_t* most_micro_batches) {
+    TempDir dir;
+    std::ostringstream sink;
+    Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                           .train_batch_size = 12, .memory_budget = budget, .num_train_epochs = 2,
+                           .learning_rate = 1e-3, .logging_steps = 1, .pack_by_tokens = pack}, data);
+    trainer.set_log_stream(&sink);
+    *out = trainer.train();
+    CHECK(trainer.plan().micro_batch_size == 12);
+    for (auto& l : read_log(dir.path)) {
+      if (l.contains("event")) continue;
+      CHECK(l["measured_peak"].get<std::int64_t>() <= budget);
+      *most_micro_batches = std::max<std::int64_t>(*most_micro_batches, l["steps_per_window"].get<std::int64_t>());
+    }
+    std::vector<Tensor> w;
+    for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
+    return w;
+  };
+  TrainOutput packed_out, counted_out;
+  std::int64_t packed_micro = 0, counted_micro = 0;
+  std::vector<Tensor> packed = run(true, &packed_out, &packed_micro);
+  std::vector<Tensor> counted = run(false, &counted_out, &counted_micro);
+  CHECK(packed_out.oom_splits == 0);   // long windows were split before they ran
+  CHECK(counted_out.oom_splits > 0);   // by count, the same windows ran out of memory first
+  CHECK(packed_micro > 1);
+  for (std::size_t i = 0; i < packed.size(); ++i) CHECK(max_relative(packed[i], counted[i]) <= 1e-10);
+  MESSAGE("budget " << budget << ": packed by tokens, up to " << packed_micro << " micro-batches a window and "
+                    << packed_out.oom_splits << " out-of-memory splits; by count, " << counted_out.oom_splits
+                    << " splits");
+}
