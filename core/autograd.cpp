@@ -116,8 +116,11 @@ void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector
   std::vector<Edge> edges;
   edges.reserve(inputs.size());
   for (const Tensor& t : inputs) edges.push_back(gradient_edge(t));
-  auto node = std::make_shared<Node>(op, std::move(edges), std::move(backward),
-                                     static_cast<int>(outputs.size()));
+  set_history(outputs, std::make_shared<Node>(op, std::move(edges), std::move(backward),
+                                              static_cast<int>(outputs.size())));
+}
+
+void set_history(std::vector<Tensor>& outputs, const std::shared_ptr<Node>& node) {
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined() || !is_floating(outputs[i].dtype())) continue;
     outputs[i].impl()->grad_fn = node;

@@ -141,6 +141,9 @@ void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector
 /// The weight-gradient GEMM of linear uses this to write into the gradient arena directly.
 bool accumulates_in_place(const Tensor& t);
 
+/// Makes node the grad_fn of each floating output (output i is the node's output i).
+void set_history(std::vector<Tensor>& outputs, const std::shared_ptr<Node>& node);
+
 /// The edge along which a gradient for t flows (its grad_fn, or its leaf's AccumulateGrad).
 Edge gradient_edge(const Tensor& t);
 

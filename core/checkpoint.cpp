@@ -64,14 +64,8 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
     }
     return result;
   };
-  auto node = std::make_shared<Node>("checkpoint", std::move(edges), std::move(backward),
-                                     static_cast<int>(outputs.size()));
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    if (!outputs[i].defined() || !is_floating(outputs[i].dtype())) continue;
-    outputs[i].impl()->grad_fn = node;
-    outputs[i].impl()->output_nr = static_cast<int>(i);
-    outputs[i].impl()->requires_grad = true;
-  }
+  set_history(outputs, std::make_shared<Node>("checkpoint", std::move(edges), std::move(backward),
+                                              static_cast<int>(outputs.size())));
   return outputs;
 }
 

@@ -12,16 +12,6 @@ namespace microbatch::train {
 
 namespace {
 
-double max_relative(const Tensor& split, const Tensor& full) {
-  std::vector<double> a = split.to_vector(), b = full.to_vector();
-  double diff = 0.0, scale = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(a[i] - b[i]));
-    scale = std::max(scale, std::abs(b[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
-
 struct StepResult {
   std::vector<std::pair<std::string, Tensor>> grads;
   std::vector<std::pair<std::string, Tensor>> weights;
@@ -76,8 +66,8 @@ AccumulationCase compare(const std::string& model, const std::vector<std::int64_
                          const StepResult& full, const StepResult& parts) {
   AccumulationCase c{model, split_name(split), {}, {}, 0.0, 0.0, -1.0};
   for (std::size_t i = 0; i < full.grads.size(); ++i) {
-    double g = max_relative(parts.grads[i].second, full.grads[i].second);
-    double w = max_relative(parts.weights[i].second, full.weights[i].second);
+    double g = max_relative_difference(parts.grads[i].second, full.grads[i].second);
+    double w = max_relative_difference(parts.weights[i].second, full.weights[i].second);
     c.gradients.push_back({full.grads[i].first, g});
     c.weights.push_back({full.weights[i].first, w});
     c.max_gradient = std::max(c.max_gradient, g);
@@ -87,6 +77,18 @@ AccumulationCase compare(const std::string& model, const std::vector<std::int64_
 }
 
 }  // namespace
+
+double max_relative_difference(const Tensor& a, const Tensor& b) {
+  MB_CHECK(a.shape() == b.shape(), "[max_relative_difference] shapes differ: {} vs {}", shape_str(a.shape()),
+           shape_str(b.shape()));
+  std::vector<double> x = a.to_vector(), y = b.to_vector();
+  double diff = 0.0, scale = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    diff = std::max(diff, std::abs(x[i] - y[i]));
+    scale = std::max(scale, std::abs(y[i]));
+  }
+  return scale > 0 ? diff / scale : diff;
+}
 
 double accumulation_tolerance(DType dtype) { return dtype == DType::f64 ? 1e-12 : 1e-6; }
 

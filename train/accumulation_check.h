@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace microbatch::train {
 
@@ -30,6 +30,10 @@ struct AccumulationCase {
   /// For padded token batches: the error of the naive rule (mean per micro-batch / N); -1 if n/a.
   double naive_max_gradient = -1.0;
 };
+
+/// max |a - b| / max |b| over two tensors of one shape (the measure every comparison here uses:
+/// relative to the tensor's largest magnitude, so near-zero elements do not dominate).
+double max_relative_difference(const Tensor& a, const Tensor& b);
 
 /// Runs every case; the bound for passing is 1e-12 in f64 and 1e-6 in f32.
 std::vector<AccumulationCase> check_accumulation(AccumulationCheckOptions options = {});

@@ -11,21 +11,13 @@
 #include "nn/models.h"
 #include "optim/optimizer.h"
 #include "tests/core/harness.h"
+#include "train/accumulation_check.h"
 
 using namespace microbatch;
 using namespace microbatch::testing;
 
 namespace {
 
-double relative_to_max(const Tensor& actual, const Tensor& expected) {
-  std::vector<double> a = actual.to_vector(), e = expected.to_vector();
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(a[i] - e[i]));
-    scale = std::max(scale, std::abs(e[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
 
 std::int64_t loss_items(const Tensor& labels) {
   if (labels.dim() == 1) return labels.shape()[0];
@@ -65,7 +57,7 @@ void check_parity(const std::string& name, nn::Model& model) {
     }
     if (step == 0) {
       for (const auto& e : store.entries()) {
-        const double rel = relative_to_max(store.grad_of(e), file.tensors.at("grad1." + e.name));
+        const double rel = train::max_relative_difference(store.grad_of(e), file.tensors.at("grad1." + e.name));
         CHECK_MESSAGE(rel <= 1e-5, name << " gradient of " << e.name << " after step 1: relative difference " << rel);
       }
     }

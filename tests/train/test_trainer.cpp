@@ -12,6 +12,7 @@
 
 #include "core/safetensors.h"
 #include "tests/core/harness.h"
+#include "train/accumulation_check.h"
 #include "train/trainer.h"
 
 using namespace microbatch;
@@ -44,15 +45,6 @@ std::vector<nlohmann::json> read_log(const fs::path& dir) {
   return lines;
 }
 
-double max_relative(const Tensor& a, const Tensor& b) {
-  std::vector<double> x = a.to_vector(), y = b.to_vector();
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    diff = std::max(diff, std::abs(x[i] - y[i]));
-    scale = std::max(scale, std::abs(y[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
 
 TensorDataset synthetic_images(std::int64_t n, std::uint64_t seed) {
   manual_seed(seed);
@@ -209,7 +201,7 @@ TEST_CASE("Trainer under a memory budget: peak within it every step, same weight
     CHECK(std::abs(l["measured_peak"].get<double>() - plan.predicted_peak) <= 0.05 * plan.predicted_peak);
   }
   CHECK(steps == 4);
-  for (std::size_t i = 0; i < weights.size(); ++i) CHECK(max_relative(weights[i], full_weights[i]) <= 1e-10);
+  for (std::size_t i = 0; i < weights.size(); ++i) CHECK(max_relative_difference(weights[i], full_weights[i]) <= 1e-10);
 }
 
 TEST_CASE("a budget too small for one sample fails at once, saying how much is needed") {
@@ -269,7 +261,7 @@ TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weigh
   std::vector<Tensor> reference = run({.per_device_train_batch_size = 8, .num_train_epochs = 2,
                                        .learning_rate = 1e-3, .logging_steps = 1}, &reference_out, nullptr);
   CHECK(reference_out.oom_splits == 0);
-  for (std::size_t i = 0; i < limited.size(); ++i) CHECK(max_relative(limited[i], reference[i]) <= 1e-10);
+  for (std::size_t i = 0; i < limited.size(); ++i) CHECK(max_relative_difference(limited[i], reference[i]) <= 1e-10);
 }
 
 #ifdef MB_CLI_PATH
@@ -369,7 +361,7 @@ TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-
   CHECK(packed_out.oom_splits == 0);   // long windows were split before they ran
   CHECK(counted_out.oom_splits > 0);   // by count, the same windows ran out of memory first
   CHECK(packed_micro > 1);
-  for (std::size_t i = 0; i < packed.size(); ++i) CHECK(max_relative(packed[i], counted[i]) <= 1e-10);
+  for (std::size_t i = 0; i < packed.size(); ++i) CHECK(max_relative_difference(packed[i], counted[i]) <= 1e-10);
   MESSAGE("budget " << budget << ": packed by tokens, up to " << packed_micro << " micro-batches a window and "
                     << packed_out.oom_splits << " out-of-memory splits; by count, " << counted_out.oom_splits
                     << " splits");
