@@ -1,5 +1,9 @@
 #include "tests/core/harness.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include "core/rng.h"
@@ -123,5 +127,24 @@ void check_throws_with(const std::function<void()>& body, const std::string& nee
 }
 
 bool has_cuda() { return cuda_available(); }
+
+TempDir::TempDir(const std::string& prefix) {
+  static std::atomic<int> counter{0};
+  path = std::filesystem::temp_directory_path() / fmt::format("{}_{}_{}", prefix, ::getpid(), counter++);
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
+std::vector<std::string> TempDir::listing() const {
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(path)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
 
 }  // namespace microbatch::testing

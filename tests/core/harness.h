@@ -4,6 +4,7 @@
 
 #include <doctest/doctest.h>
 
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <vector>
@@ -38,6 +39,17 @@ void check_close(const Tensor& actual, const std::vector<double>& expected, doub
                  const std::string& what = "");
 void check_close(const Tensor& actual, const Tensor& expected, double rtol, double atol,
                  const std::string& what = "");
+
+/// A fresh folder under the system temporary folder, removed with its contents at scope exit.
+struct TempDir {
+  explicit TempDir(const std::string& prefix = "mb_test");
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  /// The names in the folder, sorted.
+  std::vector<std::string> listing() const;
+  std::filesystem::path path;
+};
 
 /// Runs `body` expecting microbatch::Error whose message contains `needle`.
 void check_throws_with(const std::function<void()>& body, const std::string& needle);

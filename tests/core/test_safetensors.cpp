@@ -105,25 +105,6 @@ void check_rejected(const Bytes& bytes, const std::vector<std::string>& needles)
   FAIL_CHECK("a malformed file was accepted; expected: " << needles.front());
 }
 
-// A fresh folder under the system temporary folder, removed with its contents at scope exit.
-struct TempDir {
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() / fmt::format("mb_safetensors_{}_{}", ::getpid(), counter++);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::vector<std::string> listing() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
-  fs::path path;
-};
 
 Bytes read_file(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -250,7 +231,7 @@ TEST_CASE("safetensors: writer pads the header, orders by alignment then name, l
 }
 
 TEST_CASE("safetensors: atomic save replaces the destination and leaves no temporary") {
-  TempDir dir;
+  TempDir dir("mb_safetensors");
   const std::string path = (dir.path / "model.safetensors").string();
   save_safetensors(path, {{"w", full({2}, 1.0)}});
   CHECK(dir.listing() == std::vector<std::string>{"model.safetensors"});
@@ -275,7 +256,7 @@ TEST_CASE("safetensors: atomic save replaces the destination and leaves no tempo
 }
 
 TEST_CASE("safetensors: file errors name the file") {
-  TempDir dir;
+  TempDir dir("mb_safetensors");
   const fs::path missing = dir.path / "missing.safetensors";
   check_throws_with([&] { load_safetensors(missing.string()); }, missing.string() + ": cannot open");
   const fs::path empty_file = dir.path / "empty.safetensors";
@@ -290,7 +271,7 @@ TEST_CASE("safetensors: file errors name the file") {
 }
 
 TEST_CASE("safetensors: a flipped data byte fails the checksum") {
-  TempDir dir;
+  TempDir dir("mb_safetensors");
   const fs::path path = dir.path / "ckpt.safetensors";
   save_safetensors(path.string(), {{"a", arange(0, 8)}, {"b", arange(0, 4, 1, {.dtype = DType::i64})}});
   Bytes bytes = read_file(path);

@@ -29,26 +29,11 @@ namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
-// A fresh folder under the system temporary folder, removed with its contents at scope exit.
-struct CheckpointDir {
-  CheckpointDir() {
-    static std::atomic<int> counter{0};
-    path = fs::temp_directory_path() / fmt::format("mb_checkpoint_{}_{}", ::getpid(), counter++);
-    fs::create_directories(path);
-  }
-  ~CheckpointDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::vector<std::string> listing() const {
-    std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(path)) names.push_back(e.path().filename().string());
-    std::sort(names.begin(), names.end());
-    return names;
-  }
+// A temporary output folder, with the names checkpoints take in it.
+struct CheckpointDir : testing::TempDir {
+  CheckpointDir() : TempDir("mb_checkpoint") {}
   std::string str() const { return path.string(); }
   std::string checkpoint(std::int64_t step) const { return (path / fmt::format("checkpoint-{}", step)).string(); }
-  fs::path path;
 };
 
 Bytes read_bytes(const fs::path& p) {

@@ -22,16 +22,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  TempDir() : path(fs::temp_directory_path() / fs::path("mb_trainer_" + std::to_string(::getpid()) + "_" +
-                                                         std::to_string(counter++))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  fs::path path;
-  static inline int counter = 0;
-};
 
 std::vector<nlohmann::json> read_log(const fs::path& dir) {
   std::vector<nlohmann::json> lines;
@@ -72,6 +62,19 @@ class Sequences : public Dataset {
   std::vector<std::int64_t> lengths_;
   std::int64_t vocab_;
 };
+
+// The smallest budget (with the planner's 5% margin) under which a window of n of the dataset's
+// first examples runs as one micro-batch.
+std::int64_t budget_for_window(const ModelInit& init, const Dataset& data, std::int64_t n) {
+  MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; },
+                      [&](std::int64_t k) {
+                        std::vector<Example> ex;
+                        for (std::int64_t i = 0; i < k; ++i) ex.push_back(data.get(i));
+                        return collate(ex);
+                      },
+                      {.budget = 1 << 30, .effective_batch = n});
+  return static_cast<std::int64_t>(static_cast<double>(probe.predict_window(n, false).total()) / 0.95) + 4096;
+}
 
 ModelInit small_mlp() {
   return [] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}}); };
@@ -226,15 +229,7 @@ TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weigh
     return m;
   };
   // The budget whose plan just takes a whole window of 8 short sequences in one micro-batch.
-  MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; },
-                      [&](std::int64_t n) {
-                        std::vector<Example> ex;
-                        for (std::int64_t i = 0; i < n; ++i) ex.push_back(data.get(i));
-                        return collate(ex);
-                      },
-                      {.budget = 1 << 30, .effective_batch = 8});
-  const std::int64_t window_peak = probe.predict_window(8, false).total();
-  const std::int64_t budget = static_cast<std::int64_t>(static_cast<double>(window_peak) / 0.95) + 4096;
+  const std::int64_t budget = budget_for_window(init, data, 8);
   auto run = [&](TrainingArguments args, TrainOutput* out, MemoryPlan* plan) {
     TempDir dir;
     args.output_dir = dir.path.string();
@@ -327,15 +322,7 @@ TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-
     m->to(DType::f64);
     return m;
   };
-  MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; },
-                      [&](std::int64_t n) {
-                        std::vector<Example> ex;
-                        for (std::int64_t i = 0; i < n; ++i) ex.push_back(data.get(i));
-                        return collate(ex);
-                      },
-                      {.budget = 1 << 30, .effective_batch = 12});
-  const std::int64_t budget =
-      static_cast<std::int64_t>(static_cast<double>(probe.predict_window(12, false).total()) / 0.95) + 4096;
+  const std::int64_t budget = budget_for_window(init, data, 12);
   auto run = [&](bool pack, TrainOutput* out, std::int64_t* most_micro_batches) {
     TempDir dir;
     std::ostringstream sink;
