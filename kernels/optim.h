@@ -33,11 +33,12 @@ struct SGDArgs {
 
 namespace cpu {
 /// PyTorch AdamW per element (REFERENCE.md), f32 or f64 math; params, m, v, grads: 1-d contiguous.
+/// With a working copy (data != nullptr), also writes work[i] = (16-bit) params[i] in the same pass.
 void adamw(const StridedView& params, const StridedView& grads, const StridedView& exp_avg,
-           const StridedView& exp_avg_sq, const AdamWArgs& args);
+           const StridedView& exp_avg_sq, const AdamWArgs& args, const StridedView& work = {});
 /// PyTorch SGD per element; momentum_buffer may be empty when momentum == 0.
 void sgd(const StridedView& params, const StridedView& grads, const StridedView& momentum_buffer,
-         const SGDArgs& args);
+         const SGDArgs& args, const StridedView& work = {});
 /// Sum of squares of a 1-d contiguous arena in f64, and whether any element is not finite.
 struct NormResult {
   double sum_sq = 0.0;

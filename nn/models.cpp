@@ -24,10 +24,14 @@ MLP::MLP(MLPConfig cfg) : config(std::move(cfg)) {
 }
 
 namespace {
+// Losses are computed in f32 from 16-bit logits (Note [Mixed precision] in optim/param_store.h):
+// the loss-scaled gradient of the loss must not overflow before it reaches the 16-bit graph.
+Tensor loss_input(const Tensor& logits) { return is_16bit_float(logits.dtype()) ? logits.to(DType::f32) : logits; }
+
 ModelOutput classify(Sequential& net, const Tensor& inputs, const Tensor& labels) {
   ModelOutput out;
   out.logits = net.forward(inputs);
-  if (labels.defined()) out.loss = cross_entropy(out.logits, labels);
+  if (labels.defined()) out.loss = cross_entropy(loss_input(out.logits), labels);
   return out;
 }
 }  // namespace
@@ -147,7 +151,7 @@ ModelOutput GPT::forward(const Tensor& inputs, const Tensor& labels) {
   if (labels.defined()) {
     MB_CHECK(labels.shape() == inputs.shape(), "[GPT] labels {} must match inputs {}",
              shape_str(labels.shape()), shape_str(inputs.shape()));
-    out.loss = cross_entropy(out.logits.reshape({B * T, config.vocab_size}), labels.reshape({B * T}),
+    out.loss = cross_entropy(loss_input(out.logits).reshape({B * T, config.vocab_size}), labels.reshape({B * T}),
                              {.ignore_index = config.ignore_index});
   }
   return out;

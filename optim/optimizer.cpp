@@ -6,7 +6,7 @@ namespace microbatch::optim {
 
 namespace {
 DType state_dtype(const ParamStore& store) {
-  return store.weights().dtype() == DType::f64 ? DType::f64 : DType::f32;
+  return store.master().dtype() == DType::f64 ? DType::f64 : DType::f32;
 }
 
 void check_cpu(const ParamStore& store, const char* op) {
@@ -34,8 +34,15 @@ AdamW::AdamW(ParamStore& store, AdamWConfig config) : Optimizer(store), config_(
   exp_avg_sq_ = zeros({store.numel()}, opts);
 }
 
+namespace {
+kernels::StridedView working_copy(const ParamStore& store) {
+  return store.has_master() ? store.weights().kview() : kernels::StridedView{};
+}
+}  // namespace
+
 void AdamW::step(StepOptions options) {
   check_cpu(store_, "AdamW");
+  if (options.found_inf) return;
   ++step_count_;
   kernels::AdamWArgs args{.lr = config_.lr,
                           .beta1 = config_.beta1,
@@ -45,8 +52,9 @@ void AdamW::step(StepOptions options) {
                           .step = step_count_,
                           .grad_scale = options.grad_scale,
                           .decay_end = store_.decay_numel()};
-  kernels::cpu::adamw(store_.weights().kview(), store_.grads().kview(), exp_avg_.kview(),
-                      exp_avg_sq_.kview(), args);
+  kernels::cpu::adamw(store_.master().kview(), store_.grads().kview(), exp_avg_.kview(),
+                      exp_avg_sq_.kview(), args, working_copy(store_));
+  store_.master().bump_version();
   store_.weights().bump_version();
 }
 
@@ -76,6 +84,7 @@ SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config
 
 void SGD::step(StepOptions options) {
   check_cpu(store_, "SGD");
+  if (options.found_inf) return;
   kernels::SGDArgs args{.lr = config_.lr,
                         .momentum = config_.momentum,
                         .dampening = config_.dampening,
@@ -85,7 +94,8 @@ void SGD::step(StepOptions options) {
                         .grad_scale = options.grad_scale,
                         .decay_end = store_.decay_numel()};
   kernels::StridedView buffer = momentum_buffer_.defined() ? momentum_buffer_.kview() : kernels::StridedView{};
-  kernels::cpu::sgd(store_.weights().kview(), store_.grads().kview(), buffer, args);
+  kernels::cpu::sgd(store_.master().kview(), store_.grads().kview(), buffer, args, working_copy(store_));
+  store_.master().bump_version();
   store_.weights().bump_version();
   ++step_count_;
 }

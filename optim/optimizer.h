@@ -12,6 +12,9 @@ namespace microbatch::optim {
 /// Per-step inputs that the caller computes at the window's boundary.
 struct StepOptions {
   double grad_scale = 1.0;  // multiplies every gradient: 1 / loss_scale * clip_coef
+  /// A gradient was not finite: the step changes nothing — no weight, no moment, no step count
+  /// (as torch's fused optimizers read found_inf).
+  bool found_inf = false;
 };
 
 class Optimizer {

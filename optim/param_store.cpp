@@ -40,13 +40,19 @@ ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) : model_(mo
     if (d) decay_numel_ = total + slot->numel();
     total += slot->numel();
   }
-  weights_ = empty({total}, {.dtype = dtype, .device = device});
+  const DType compute = options.compute_dtype.value_or(dtype);
+  MB_CHECK(compute == dtype || (dtype == DType::f32 && is_16bit_float(compute)),
+           "[ParamStore] parameters are {}: a {} compute dtype needs f32 parameters", dtype_name(dtype),
+           dtype_name(compute));
+  if (compute != dtype) master_ = empty({total}, {.dtype = dtype, .device = device});
+  weights_ = empty({total}, {.dtype = compute, .device = device});
   const DType grad_dtype = options.grad_dtype.value_or(dtype == DType::f64 ? DType::f64 : DType::f32);
   grads_ = zeros({total}, {.dtype = grad_dtype, .device = device});
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < ordered.size(); ++i) {
     const Entry& e = entries_[i];
     Tensor* slot = ordered[i].second;
+    if (master_.defined()) master_of(e).copy_(*slot);
     Tensor w = weight_of(e);
     w.copy_(*slot);
     Tensor param = w.detach();
@@ -58,6 +64,28 @@ ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) : model_(mo
 
 Tensor ParamStore::weight_of(const Entry& e) const {
   return weights_.slice(0, e.offset, e.offset + e.numel).view(e.shape);
+}
+
+Tensor ParamStore::master_of(const Entry& e) const {
+  return master().slice(0, e.offset, e.offset + e.numel).view(e.shape);
+}
+
+std::map<std::string, Tensor> ParamStore::master_state() const {
+  std::map<std::string, Tensor> out;
+  for (const Entry& e : entries_) out[e.name] = master_of(e);
+  return out;
+}
+
+void ParamStore::load_master_state(const std::map<std::string, Tensor>& state) {
+  NoGradGuard no_grad;
+  for (const Entry& e : entries_) {
+    auto it = state.find(e.name);
+    MB_CHECK(it != state.end(), "[ParamStore] state has no weights for '{}'", e.name);
+    MB_CHECK(it->second.shape() == e.shape, "[ParamStore] '{}' has shape {}, expected {}", e.name,
+             shape_str(it->second.shape()), shape_str(e.shape));
+    master_of(e).copy_(it->second);
+  }
+  if (master_.defined()) weights_.copy_(master_);
 }
 
 Tensor ParamStore::grad_of(const Entry& e) const {
@@ -73,6 +101,13 @@ ParamStore::GradNorm ParamStore::grad_norm() const {
   MB_CHECK(grads_.device().is_cpu(), "[grad_norm] has no {} kernel in this build yet", grads_.device().str());
   auto r = kernels::cpu::sum_squares(grads_.kview());
   return {std::sqrt(r.sum_sq), r.non_finite};
+}
+
+std::string ParamStore::first_non_finite() const {
+  for (const Entry& e : entries_) {
+    if (kernels::cpu::sum_squares(grad_of(e).contiguous().kview()).non_finite) return e.name;
+  }
+  return {};
 }
 
 double clip_grad_norm_(ParamStore& store, double max_norm) {

@@ -4,8 +4,14 @@
 // member becomes a view of its slot, and each parameter's .grad is preset to a view of its gradient
 // slot, so autograd accumulates `grad += w * g` straight into the arena (Note [Gradient writes]).
 // zero_grad is one memset, the gradient norm and the optimizer update one pass each.
+//
+// Note [Mixed precision]: with a 16-bit compute dtype there are three arenas of the same layout:
+// 16-bit working weights (what the model reads), f32 master weights (what the optimizer updates),
+// and f32 gradient accumulators. The optimizer's pass reads the gradient, updates the master and
+// its moments in f32, and writes the rounded working copy in the same loop.
 #pragma once
 
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +26,10 @@ enum class DecayRule { MatricesOnly, All, None };
 
 struct ParamStoreOptions {
   DecayRule decay = DecayRule::MatricesOnly;
+  /// The dtype of the working weights the model computes with (Note [Mixed precision]); by default
+  /// the parameters' own. When it is 16-bit and the parameters are f32, the f32 values become the
+  /// master weights and the model's parameters become 16-bit views of a working-copy arena.
+  std::optional<DType> compute_dtype;
   /// Gradient accumulators: f32 by default whatever the weights (f64 for f64 weights).
   std::optional<DType> grad_dtype;
 };
@@ -36,8 +46,12 @@ class ParamStore {
 
   explicit ParamStore(nn::Module& model, ParamStoreOptions options = {});
 
-  /// (numel) the weights, decay group first.
+  /// (numel) the working weights the model computes with, decay group first.
   const Tensor& weights() const { return weights_; }
+  /// (numel) the f32 master weights the optimizer updates (the working weights when there is no
+  /// separate master copy).
+  const Tensor& master() const { return master_.defined() ? master_ : weights_; }
+  bool has_master() const { return master_.defined(); }
   /// (numel) the gradients, same layout.
   const Tensor& grads() const { return grads_; }
   std::int64_t numel() const { return weights_.numel(); }
@@ -52,14 +66,25 @@ class ParamStore {
     bool non_finite = false;
   };
   GradNorm grad_norm() const;
+  /// The name of the first parameter (in arena order) whose gradient holds a value that is not
+  /// finite; empty when every one is finite. For diagnosing an overflowing step.
+  std::string first_non_finite() const;
   /// The gradient of one entry, as a view with the parameter's shape.
   Tensor grad_of(const Entry& e) const;
   Tensor weight_of(const Entry& e) const;
-  std::size_t bytes() const { return weights_.nbytes() + grads_.nbytes(); }
+  Tensor master_of(const Entry& e) const;
+  /// The master weights by parameter name (views), for checkpoints.
+  std::map<std::string, Tensor> master_state() const;
+  /// Copies master weights in by name and refreshes the working copy from them.
+  void load_master_state(const std::map<std::string, Tensor>& state);
+  std::size_t bytes() const {
+    return weights_.nbytes() + grads_.nbytes() + (master_.defined() ? master_.nbytes() : 0);
+  }
 
  private:
   nn::Module& model_;
   Tensor weights_;
+  Tensor master_;  // f32, only with a 16-bit compute dtype
   Tensor grads_;
   std::int64_t decay_numel_ = 0;
   std::vector<Entry> entries_;

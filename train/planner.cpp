@@ -169,9 +169,9 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
     std::unique_ptr<nn::Model> model = make_model_(checkpointing);
     MB_CHECK(model != nullptr, "[planner] the model factory returned no model");
     model->to(kMeta);
-    optim::ParamStore store(*model);
+    optim::ParamStore store(*model, config_.store);
     optim::AdamW optimizer(store, config_.adamw);
-    b.weights = block_bytes(store.weights().nbytes());
+    b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
     b.gradients = block_bytes(store.grads().nbytes());
     b.optimizer_state = block_bytes(optimizer.state_bytes() / 2) * 2;  // two moment arenas
     empty_cache(kMeta);  // the parameters' blocks from before the arenas
@@ -193,7 +193,10 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
       const Batch& batch = host[n];
       Tensor inputs = batch.inputs.to(kMeta);
       Tensor labels = batch.labels.defined() ? batch.labels.to(kMeta) : Tensor();
-      nn::ModelOutput out = model->forward(inputs, labels);
+      // As the Trainer does, floating inputs are cast to the compute dtype (both copies live).
+      const DType compute = store.weights().dtype();
+      Tensor model_inputs = is_floating(inputs.dtype()) && inputs.dtype() != compute ? inputs.to(compute) : inputs;
+      nn::ModelOutput out = model->forward(model_inputs, labels);
       MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
       out.loss.backward();
     }

@@ -66,6 +66,7 @@ struct PlannerConfig {
   std::optional<std::int64_t>
       micro_batch_size;        // user fixed per_device_train_batch_size (then only checked)
   optim::AdamWConfig adamw{};  // the optimizer whose state is counted
+  optim::ParamStoreOptions store{};  // the arenas counted (a 16-bit compute dtype adds a master copy)
 };
 
 class MemoryPlanner {

@@ -10,6 +10,7 @@
 #include <iostream>
 #include <set>
 
+#include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -67,6 +68,8 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
   empty_cache(kCPU);
   baseline_ = memory_stats(kCPU).reserved.current;
+  if (args_.fp16) compute_dtype_ = DType::f16;
+  if (args_.bf16) compute_dtype_ = DType::bf16;
   manual_seed(args_.seed);
   model_ = model_init_();
   MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
@@ -80,6 +83,11 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
 }
 
 Trainer::~Trainer() = default;
+
+Tensor Trainer::model_inputs(const Tensor& inputs) const {
+  if (!compute_dtype_ || !is_floating(inputs.dtype()) || inputs.dtype() == *compute_dtype_) return inputs;
+  return inputs.to(*compute_dtype_);
+}
 
 MemoryPlan Trainer::make_plan() {
   const BatchTriad triad = resolve_batch_triad(args_);
@@ -96,6 +104,7 @@ MemoryPlan Trainer::make_plan() {
   config.effective_batch = triad.effective;
   if (args_.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
+  config.store.compute_dtype = compute_dtype_;
   config.adamw = {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
                   .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay};
   // Measuring builds models: keep the random stream the training run will see untouched.
@@ -187,7 +196,13 @@ TrainOutput Trainer::train() {
   const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
 
   model_->train();
-  optim::ParamStore store(*model_);
+  optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_});
+  std::optional<optim::DynamicLossScaler> scaler;
+  if (args_.fp16) {
+    scaler.emplace(optim::LossScalerConfig{.hysteresis = args_.loss_scale_hysteresis,
+                                           .min_loss_scale = args_.loss_scale_floor,
+                                           .max_overflows_at_floor = args_.max_overflows_at_floor});
+  }
   optim::AdamW adamw(store, {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
                              .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
   DataLoader loader(train_set_, {.batch_size = plan_.effective_batch, .shuffle = true, .seed = args_.seed,
@@ -202,7 +217,7 @@ TrainOutput Trainer::train() {
   optim::LRScheduler scheduler(adamw, {.type = optim::parse_schedule(args_.lr_scheduler_type),
                                        .warmup_steps = warmup, .total_steps = total_steps});
 
-  std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0;
+  std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0;
   if (!args_.resume_from_checkpoint.empty()) {
     std::optional<ResumePoint> point;
@@ -214,8 +229,10 @@ TrainOutput Trainer::train() {
       point = ResumePoint{args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
     }
     const nlohmann::json& st = point->data.trainer_state;
-    model_->load_state_dict(point->data.model);
+    store.load_master_state(point->data.model);
     adamw.load_state_dict(point->data.optimizer);
+    if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
+    skipped = st.value("skipped_steps", std::int64_t{0});
     step = st.at("global_step").get<std::int64_t>();
     epoch = st.at("epoch").get<std::int64_t>();
     window = st.at("window").get<std::int64_t>();
@@ -229,13 +246,14 @@ TrainOutput Trainer::train() {
 
   auto save = [&] {
     CheckpointData data;
-    for (auto& [name, t] : model_->state_dict()) data.model[name] = t;
+    for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
     for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
     const GeneratorState rng = default_generator().state();
     data.trainer_state = {{"global_step", step}, {"epoch", epoch}, {"window", window}, {"samples", samples},
                           {"tokens", tokens}, {"loss_sum", loss_sum}, {"scheduler_steps", scheduler.steps()},
                           {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
-                          {"args", args_.to_json()}};
+                          {"args", args_.to_json()}, {"skipped_steps", skipped}};
+    if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
     const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
     log_file.flush();
@@ -309,10 +327,14 @@ TrainOutput Trainer::train() {
       try {
         Batch b = loader.batch_for(chunk);
         const double w = window_items > 0 ? static_cast<double>(b.num_items) / static_cast<double>(window_items) : 0.0;
-        nn::ModelOutput o = model_->forward(b.inputs, b.labels);
+        nn::ModelOutput o = model_->forward(model_inputs(b.inputs), b.labels);
         {
           GradWeightGuard weight(w);
-          o.loss.backward();
+          if (scaler) {  // the loss is f32: its scaled gradient flows into the 16-bit graph
+            o.loss.backward(full(o.loss.shape(), scaler->scale(), {.dtype = o.loss.dtype()}));
+          } else {
+            o.loss.backward();
+          }
         }
         window_loss += w * o.loss.item();
         window_tokens += token_labels ? b.num_items : 0;
@@ -361,11 +383,39 @@ TrainOutput Trainer::train() {
       }
     }
 
-    const optim::ParamStore::GradNorm norm = store.grad_norm();
-    const double clip = args_.max_grad_norm > 0 ? std::min(1.0, args_.max_grad_norm / (norm.norm + 1e-6)) : 1.0;
+    // The boundary step: one pass for the norm and the non-finite flag, one fused optimizer pass
+    // that unscales and clips (grad_scale) and writes master and working weights. An overflowing
+    // window changes no weight, no moment, no optimizer step and no schedule step.
+    optim::ParamStore::GradNorm norm = store.grad_norm();
+    const double inv_scale = scaler ? static_cast<double>(scaler->inv_scale()) : 1.0;
+    norm.norm *= inv_scale;
+    const double clip = args_.max_grad_norm > 0 && !norm.non_finite
+                            ? std::min(1.0, args_.max_grad_norm / (norm.norm + 1e-6)) : 1.0;
     const double lr = adamw.lr();
-    adamw.step({.grad_scale = clip});
-    scheduler.step();
+    const double scale_used = scaler ? scaler->scale() : 1.0;
+    std::string bad_param;
+    if (norm.non_finite) bad_param = store.first_non_finite();
+    bool skip = norm.non_finite;
+    if (scaler) {
+      try {
+        skip = scaler->update(norm.non_finite);
+      } catch (const optim::LossScaleFloorError& e) {
+        ++skipped;  // this window was skipped too
+        save();     // the last good state: overflowing windows changed nothing
+        MB_CHECK(false, "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
+                 e.what(), bad_param, args_.output_dir);
+      }
+    }
+    if (!skip) {
+      adamw.step({.grad_scale = inv_scale * clip});
+      scheduler.step();
+    } else {
+      ++skipped;
+      nlohmann::json event{{"event", "skipped_step"}, {"step", step + 1}, {"loss_scale", scale_used},
+                           {"first_non_finite", bad_param}};
+      log_file << event.dump() << "\n";
+      log_file.flush();
+    }
     store.zero_grad();
     ++step;
     ++window;
@@ -389,9 +439,13 @@ TrainOutput Trainer::train() {
                           {"predicted_peak", plan_.predicted_peak},
                           {"measured_peak", stats.reserved.peak - baseline_},
                           {"oom_splits", oom_splits},
+                          {"skipped_steps", skipped},
                           {"seconds", secs}};
+      if (scaler) line["loss_scale"] = scaler->scale();
       log_file << line.dump() << "\n";
       log_file.flush();
+      const std::string scale_text =
+          scaler ? fmt::format(" | scale {:g} | skipped {}", scaler->scale(), skipped) : std::string();
       if (args_.json) {
         out << line.dump() << "\n";
       } else if (tty) {
@@ -400,13 +454,15 @@ TrainOutput Trainer::train() {
         out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
                            std::string(width - done, ' '), step, total_steps, window_loss, lr,
                            iso_bytes(stats.reserved.peak - baseline_));
+        out << scale_text;
         if (step == total_steps) out << "\n";
       } else {
         out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
-                           "micro {} x {} | peak {} (predicted {})\n",
+                           "micro {} x {} | peak {} (predicted {})",
                            step, total_steps, line["epoch"].get<double>(), window_loss, lr, norm.norm,
                            plan_.micro_batch_size, micro_batches, iso_bytes(stats.reserved.peak - baseline_),
                            plan_.predicted_peak > 0 ? iso_bytes(plan_.predicted_peak) : std::string("-"));
+        out << scale_text << "\n";
       }
       out.flush();
       reset_peak_memory_stats(kCPU);
@@ -423,6 +479,7 @@ TrainOutput Trainer::train() {
   result.training_loss = step > 0 ? loss_sum / static_cast<double>(step) : 0.0;
   result.metrics = last_eval;
   result.oom_splits = oom_splits;
+  result.skipped_steps = skipped;
   return result;
 }
 
@@ -441,7 +498,7 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       std::vector<Tensor> logits, labels;
       bool token_labels = false;
       while (auto batch = loader.next()) {
-        nn::ModelOutput o = model_->forward(batch->inputs, batch->labels);
+        nn::ModelOutput o = model_->forward(model_inputs(batch->inputs), batch->labels);
         loss_sum += o.loss.item() * static_cast<double>(batch->num_items);
         items += batch->num_items;
         token_labels = batch->labels.dim() > 1;

@@ -47,6 +47,7 @@ struct TrainOutput {
   double training_loss = 0.0;  // mean of the windows' losses
   Metrics metrics;             // the last evaluation, eval_ prefixed
   std::int64_t oom_splits = 0; // micro-batches split after running out of memory
+  std::int64_t skipped_steps = 0;  // windows whose gradients were not finite (no update)
 };
 
 struct PredictionOutput {
@@ -93,6 +94,8 @@ class Trainer {
   std::ostream* log_stream_;
   std::int64_t eval_batch_size_;
   std::int64_t baseline_ = 0;  // CPU bytes reserved before the Trainer (Note [What the budget covers])
+  std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16
+  Tensor model_inputs(const Tensor& inputs) const;
 };
 
 }  // namespace microbatch::train

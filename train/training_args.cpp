@@ -57,6 +57,8 @@ void TrainingArguments::validate() const {
   MB_CHECK(save_strategy == "no" || save_strategy == "steps" || save_strategy == "epoch",
            "[TrainingArguments] save_strategy must be no, steps or epoch, got '{}'", save_strategy);
   MB_CHECK(save_steps >= 1, "[TrainingArguments] save_steps must be >= 1, got {}", save_steps);
+  MB_CHECK(!(fp16 && bf16), "[TrainingArguments] fp16 and bf16 are exclusive: choose one");
+  MB_CHECK(loss_scale_floor > 0, "[TrainingArguments] loss_scale_floor must be > 0, got {}", loss_scale_floor);
   optim::parse_schedule(lr_scheduler_type);
   resolve_batch_triad(*this);
 }
@@ -111,6 +113,11 @@ nlohmann::json TrainingArguments::to_json() const {
   j["save_steps"] = save_steps;
   j["save_total_limit"] = save_total_limit;
   j["resume_from_checkpoint"] = resume_from_checkpoint;
+  j["fp16"] = fp16;
+  j["bf16"] = bf16;
+  j["loss_scale_floor"] = loss_scale_floor;
+  j["max_overflows_at_floor"] = max_overflows_at_floor;
+  j["loss_scale_hysteresis"] = loss_scale_hysteresis;
   j["gradient_checkpointing"] = gradient_checkpointing;
   j["pack_by_tokens"] = pack_by_tokens;
   j["seed"] = seed;
@@ -168,6 +175,11 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("save_steps", a.save_steps);
   get("save_total_limit", a.save_total_limit);
   get("resume_from_checkpoint", a.resume_from_checkpoint);
+  get("fp16", a.fp16);
+  get("bf16", a.bf16);
+  get("loss_scale_floor", a.loss_scale_floor);
+  get("max_overflows_at_floor", a.max_overflows_at_floor);
+  get("loss_scale_hysteresis", a.loss_scale_hysteresis);
   get("gradient_checkpointing", a.gradient_checkpointing);
   get("pack_by_tokens", a.pack_by_tokens);
   get("seed", a.seed);

@@ -40,6 +40,11 @@ struct TrainingArguments {
   std::int64_t save_steps = 500;
   std::int64_t save_total_limit = 0;             // keep at most this many checkpoints; 0 = all
   std::string resume_from_checkpoint;            // a checkpoint folder, or "latest" in output_dir
+  bool fp16 = false;                             // f16 weights and activations, f32 master, loss scaling
+  bool bf16 = false;                             // bf16 weights and activations, f32 master
+  double loss_scale_floor = 1.0;                 // fp16: the dynamic scale never goes below this
+  std::int64_t max_overflows_at_floor = 20;      // fp16: consecutive overflows at the floor that stop the run
+  std::int64_t loss_scale_hysteresis = 1;        // fp16: overflows tolerated before backing off (DeepSpeed)
   bool gradient_checkpointing = false;           // force activation checkpointing on
   /// With a memory_budget and variable-length token sequences: pack each window's micro-batches by
   /// padded tokens (rows x longest row <= the plan's tokens) rather than by a count of sequences.

@@ -5,8 +5,19 @@
 
 namespace microbatch::kernels::cpu {
 
+namespace {
+// Writes the rounded working copy of element i (no-op without one).
+template <class C>
+void write_work(const StridedView& work, std::int64_t i, C value) {
+  if (work.data == nullptr) return;
+  if (work.dtype == DType::f16) work.ptr<f16>()[i] = f16(static_cast<float>(value));
+  else if (work.dtype == DType::bf16) work.ptr<bf16>()[i] = bf16(static_cast<float>(value));
+  else if (work.dtype == DType::f32) work.ptr<float>()[i] = static_cast<float>(value);
+}
+}  // namespace
+
 void adamw(const StridedView& params, const StridedView& grads, const StridedView& exp_avg,
-           const StridedView& exp_avg_sq, const AdamWArgs& a) {
+           const StridedView& exp_avg_sq, const AdamWArgs& a, const StridedView& work) {
   dispatch_float(params.dtype, "adamw", [&]<class P>() {
     dispatch_float(grads.dtype, "adamw", [&]<class G>() {
       using C = std::conditional_t<std::is_same_v<P, double>, double, float>;
@@ -32,13 +43,14 @@ void adamw(const StridedView& params, const StridedView& grads, const StridedVie
         const C denom = std::sqrt(v[i]) / bias2_sqrt + eps;
         w -= step_size * m[i] / denom;
         p[i] = static_cast<P>(w);
+        write_work(work, i, w);
       }
     });
   });
 }
 
 void sgd(const StridedView& params, const StridedView& grads, const StridedView& momentum_buffer,
-         const SGDArgs& a) {
+         const SGDArgs& a, const StridedView& work) {
   dispatch_float(params.dtype, "sgd", [&]<class P>() {
     dispatch_float(grads.dtype, "sgd", [&]<class G>() {
       using C = std::conditional_t<std::is_same_v<P, double>, double, float>;
@@ -58,6 +70,7 @@ void sgd(const StridedView& params, const StridedView& grads, const StridedView&
           d = a.nesterov ? d + mom * buf[i] : buf[i];
         }
         p[i] = static_cast<P>(w - lr * d);
+        write_work(work, i, w - lr * d);
       }
     });
   });

@@ -1,0 +1,174 @@
+#include "optim/loss_scaler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <string>
+
+namespace microbatch::optim {
+namespace {
+
+void check_config(const LossScalerConfig& c, const char* where) {
+  MB_CHECK(std::isfinite(c.growth_factor) && c.growth_factor > 1.0,
+           "[{}] growth_factor must be > 1, got {}", where, c.growth_factor);
+  MB_CHECK(c.backoff_factor > 0.0 && c.backoff_factor < 1.0,
+           "[{}] backoff_factor must be in (0, 1), got {}", where, c.backoff_factor);
+  MB_CHECK(c.growth_interval >= 1, "[{}] growth_interval must be >= 1, got {}", where,
+           c.growth_interval);
+  MB_CHECK(c.hysteresis >= 1, "[{}] hysteresis must be >= 1 (1 backs off on every overflow, as "
+           "PyTorch), got {}", where, c.hysteresis);
+  // The scale is an f32: a value past FLT_MAX would start it at inf.
+  MB_CHECK(c.init_scale > 0.0 && std::isfinite(static_cast<float>(c.init_scale)),
+           "[{}] init_scale must be > 0 and finite in f32, got {}", where, c.init_scale);
+  MB_CHECK(c.min_loss_scale >= 0.0 && std::isfinite(static_cast<float>(c.min_loss_scale)),
+           "[{}] min_loss_scale must be >= 0 (0 = no floor) and finite in f32, got {}", where,
+           c.min_loss_scale);
+  MB_CHECK(c.init_scale >= c.min_loss_scale,
+           "[{}] init_scale {} is below min_loss_scale {}", where, c.init_scale, c.min_loss_scale);
+  MB_CHECK(c.max_overflows_at_floor >= 0, "[{}] max_overflows_at_floor must be >= 0 (0 = never "
+           "stop), got {}", where, c.max_overflows_at_floor);
+  MB_CHECK(c.max_overflows_at_floor == 0 || c.min_loss_scale > 0.0,
+           "[{}] max_overflows_at_floor = {} needs a floor: set min_loss_scale > 0", where,
+           c.max_overflows_at_floor);
+}
+
+}  // namespace
+
+DynamicLossScaler::DynamicLossScaler(LossScalerConfig config) : config_(config) {
+  check_config(config_, "DynamicLossScaler");
+  scale_ = static_cast<float>(config_.init_scale);
+}
+
+double DynamicLossScaler::scale() const { return scale_; }
+
+float DynamicLossScaler::inv_scale() const {
+  return static_cast<float>(1.0 / static_cast<double>(scale_));
+}
+
+std::int64_t DynamicLossScaler::growth_tracker() const { return growth_tracker_; }
+std::int64_t DynamicLossScaler::skipped_steps() const { return skipped_steps_; }
+std::int64_t DynamicLossScaler::consecutive_overflows() const { return consecutive_overflows_; }
+
+bool DynamicLossScaler::at_floor() const {
+  return config_.min_loss_scale > 0.0 && scale_ <= static_cast<float>(config_.min_loss_scale);
+}
+
+bool DynamicLossScaler::update(bool found_inf) {
+  if (!found_inf) {
+    consecutive_overflows_ = 0;
+    overflows_at_floor_ = 0;
+    // torch's _amp_update_scale_: grow once growth_interval finite steps in a row have passed, but
+    // only if the grown f32 scale is finite; the tracker restarts either way.
+    if (++growth_tracker_ == config_.growth_interval) {
+      const float grown = static_cast<float>(static_cast<double>(scale_) * config_.growth_factor);
+      if (std::isfinite(grown)) scale_ = grown;
+      growth_tracker_ = 0;
+    }
+    return false;
+  }
+
+  // An overflow: the step is skipped and the growth window restarts (PyTorch, and DeepSpeed's
+  // last_overflow_iter), whether or not hysteresis lets the scale stay.
+  ++skipped_steps_;
+  ++consecutive_overflows_;
+  growth_tracker_ = 0;
+  const bool was_at_floor = at_floor();  // this step ran with the smallest scale allowed
+  if (was_at_floor) ++overflows_at_floor_;
+  // Hysteresis h: the first h-1 consecutive overflows are tolerated; the h-th and every further
+  // consecutive one back off (DeepSpeed with consecutive_hysteresis).
+  if (consecutive_overflows_ >= config_.hysteresis) {
+    float next = static_cast<float>(static_cast<double>(scale_) * config_.backoff_factor);
+    if (config_.min_loss_scale > 0.0) {
+      const float floor = static_cast<float>(config_.min_loss_scale);
+      if (next < floor) next = floor;
+      if (next <= floor && !warned_floor_) {
+        warned_floor_ = true;
+        std::fprintf(stderr,
+                     "[loss_scaler] warning: loss scale reached its floor min_loss_scale = %g; "
+                     "further overflows skip steps without lowering it\n",
+                     static_cast<double>(floor));
+      }
+    } else if (next == 0.0f && !warned_floor_) {
+      // No floor (PyTorch): say so once rather than collapse silently.
+      warned_floor_ = true;
+      std::fprintf(stderr,
+                   "[loss_scaler] warning: loss scale underflowed to 0 after repeated overflows; "
+                   "gradients are not finite at any scale (set min_loss_scale to stop the run)\n");
+    }
+    scale_ = next;
+  }
+  if (was_at_floor && config_.max_overflows_at_floor > 0 &&
+      overflows_at_floor_ >= config_.max_overflows_at_floor) {
+    throw LossScaleFloorError(fmt::format(
+        "[loss_scaler] {} consecutive overflowing steps at the loss-scale floor (scale {}, "
+        "min_loss_scale {}, max_overflows_at_floor {}): gradients stay non-finite at the "
+        "smallest allowed scale. The weights are those of the last good step; restore it and "
+        "lower the learning rate, or train in bf16",
+        overflows_at_floor_, static_cast<double>(scale_), config_.min_loss_scale,
+        config_.max_overflows_at_floor));
+  }
+  return true;
+}
+
+nlohmann::json DynamicLossScaler::state_dict() const {
+  // f32 -> f64 is exact and the JSON writer prints doubles round-trip, so scale reloads exactly.
+  return {
+      {"scale", static_cast<double>(scale_)},
+      {"growth_factor", config_.growth_factor},
+      {"backoff_factor", config_.backoff_factor},
+      {"growth_interval", config_.growth_interval},
+      {"hysteresis", config_.hysteresis},
+      {"min_loss_scale", config_.min_loss_scale},
+      {"max_overflows_at_floor", config_.max_overflows_at_floor},
+      {"growth_tracker", growth_tracker_},
+      {"skipped_steps", skipped_steps_},
+      {"consecutive_overflows", consecutive_overflows_},
+      {"overflows_at_floor", overflows_at_floor_},
+  };
+}
+
+void DynamicLossScaler::load_state_dict(const nlohmann::json& state) {
+  auto get = [&](const char* key) -> const nlohmann::json& {
+    MB_CHECK(state.is_object() && state.contains(key), "[loss_scaler] state has no '{}'", key);
+    const auto& v = state.at(key);
+    MB_CHECK(v.is_number(), "[loss_scaler] state '{}' must be a number, got {}", key, v.dump());
+    return v;
+  };
+  auto get_int = [&](const char* key) {
+    const auto& v = get(key);
+    MB_CHECK(v.is_number_integer() && v.get<std::int64_t>() >= 0,
+             "[loss_scaler] state '{}' must be an integer >= 0, got {}", key, v.dump());
+    return v.get<std::int64_t>();
+  };
+  // PyTorch's load_state_dict restores the factors and interval too: the checkpoint wins.
+  LossScalerConfig c = config_;
+  const double scale = get("scale").get<double>();
+  c.growth_factor = get("growth_factor").get<double>();
+  c.backoff_factor = get("backoff_factor").get<double>();
+  c.growth_interval = get_int("growth_interval");
+  c.hysteresis = get_int("hysteresis");
+  c.min_loss_scale = get("min_loss_scale").get<double>();
+  c.max_overflows_at_floor = get_int("max_overflows_at_floor");
+  // init_scale is not part of the state; check the rest with a stand-in that passes.
+  LossScalerConfig checked = c;
+  checked.init_scale = std::max<double>(c.min_loss_scale, std::numeric_limits<float>::min());
+  check_config(checked, "loss_scaler state");
+  // A collapsed scale of 0 (no floor) is a real state and reloads as such.
+  MB_CHECK(scale >= 0.0 && static_cast<double>(static_cast<float>(scale)) == scale,
+           "[loss_scaler] state 'scale' must be an f32 value >= 0, got {}", scale);
+  MB_CHECK(scale >= static_cast<float>(c.min_loss_scale),
+           "[loss_scaler] state 'scale' {} is below min_loss_scale {}", scale, c.min_loss_scale);
+  const std::int64_t tracker = get_int("growth_tracker");
+  MB_CHECK(tracker < c.growth_interval, "[loss_scaler] state growth_tracker {} must be below "
+           "growth_interval {}", tracker, c.growth_interval);
+
+  config_ = c;
+  scale_ = static_cast<float>(scale);
+  growth_tracker_ = tracker;
+  skipped_steps_ = get_int("skipped_steps");
+  consecutive_overflows_ = get_int("consecutive_overflows");
+  overflows_at_floor_ = get_int("overflows_at_floor");
+}
+
+}  // namespace microbatch::optim

@@ -1,0 +1,67 @@
+// Dynamic loss scaling for fp16 mixed precision: torch.amp.GradScaler's update rule and defaults,
+// plus DeepSpeed's hysteresis and loss-scale floor as options (REFERENCE.md "Loss scaling").
+// The scale lives in f32 as PyTorch keeps it, so inv_scale and every backoff/growth round the
+// same way; each update computes in f64 and rounds once to f32, like torch's kernel.
+//
+// Note [Loss-scale floor]: PyTorch has no floor, and a run whose gradients never become finite
+// again backs its scale off to 0. With min_loss_scale set, a backoff never goes below the floor;
+// the scaler warns once (stderr) when it gets there, and with max_overflows_at_floor = n, the n-th
+// consecutive overflowing step taken at the floor throws LossScaleFloorError so the caller can
+// stop after saving the last good state (a skipped step leaves the weights as they were).
+#pragma once
+
+#include <cstdint>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace microbatch::optim {
+
+struct LossScalerConfig {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  std::int64_t growth_interval = 2000;
+  std::int64_t hysteresis = 1;          // DeepSpeed: overflows tolerated before backing off (1 = PyTorch)
+  double min_loss_scale = 0.0;          // floor; 0 = none (PyTorch). At the floor the scale stays.
+  std::int64_t max_overflows_at_floor = 0;  // consecutive overflowing steps at the floor before
+                                            // update() throws LossScaleFloorError; 0 = never
+};
+
+/// Thrown when the scale sits at its floor and steps keep overflowing.
+class LossScaleFloorError : public Error { using Error::Error; };
+
+class DynamicLossScaler {
+ public:
+  explicit DynamicLossScaler(LossScalerConfig config = {});
+  double scale() const;              // f32 value, as PyTorch keeps it
+  /// inv_scale = (float)(1.0 / (double)scale), as torch's unscale.
+  float inv_scale() const;
+  /// After a window: found_inf says whether any gradient was not finite. Returns true when the
+  /// optimizer step must be skipped. Applies the update rule; may warn once (stderr) when the floor is
+  /// reached; throws LossScaleFloorError with a clear message (scale, floor, overflow count) when
+  /// max_overflows_at_floor consecutive overflows happen at the floor.
+  bool update(bool found_inf);
+  std::int64_t growth_tracker() const;
+  std::int64_t skipped_steps() const;   // total steps skipped so far
+  std::int64_t consecutive_overflows() const;
+  /// For checkpoints: everything needed to continue bit for bit.
+  nlohmann::json state_dict() const;
+  void load_state_dict(const nlohmann::json& state);
+
+  const LossScalerConfig& config() const { return config_; }
+
+ private:
+  bool at_floor() const;
+
+  LossScalerConfig config_;
+  float scale_;                          // the f32 scale, as torch's _scale tensor
+  std::int64_t growth_tracker_ = 0;      // finite steps since the last growth or overflow
+  std::int64_t skipped_steps_ = 0;
+  std::int64_t consecutive_overflows_ = 0;  // reset by any finite step (hysteresis counts these)
+  std::int64_t overflows_at_floor_ = 0;     // consecutive overflowing steps taken at the floor
+  bool warned_floor_ = false;               // diagnostics only; not part of the state
+};
+
+}  // namespace microbatch::optim

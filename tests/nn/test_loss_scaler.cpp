@@ -1,0 +1,242 @@
+// DynamicLossScaler: PyTorch's GradScaler update tests replayed, DeepSpeed's hysteresis and floor,
+// the f32 arithmetic of the scale, and checkpoint round trips.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "optim/loss_scaler.h"
+#include "tests/core/harness.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+using optim::DynamicLossScaler;
+using optim::LossScaleFloorError;
+using optim::LossScalerConfig;
+
+TEST_CASE("LossScaler: defaults are torch.amp.GradScaler's") {
+  DynamicLossScaler s;
+  CHECK(s.scale() == 65536.0);
+  CHECK(s.config().growth_factor == 2.0);
+  CHECK(s.config().backoff_factor == 0.5);
+  CHECK(s.config().growth_interval == 2000);
+  CHECK(s.config().hysteresis == 1);
+  CHECK(s.growth_tracker() == 0);
+  CHECK(s.skipped_steps() == 0);
+}
+
+TEST_CASE("LossScaler: torch test_grad_scaling_update_scale") {
+  // torch/test/test_cuda.py: two unskipped updates then one with found_inf = 1, growth 2,
+  // backoff 0.25, interval 2, scale 4: (scale, tracker) = (4, 1), (8, 0), (2, 0).
+  DynamicLossScaler s({.init_scale = 4.0, .growth_factor = 2.0, .backoff_factor = 0.25,
+                       .growth_interval = 2});
+  CHECK_FALSE(s.update(false));
+  CHECK(s.growth_tracker() == 1);
+  CHECK(s.scale() == 4.0);
+  CHECK_FALSE(s.update(false));
+  CHECK(s.growth_tracker() == 0);
+  CHECK(s.scale() == 8.0);
+  CHECK(s.update(true));  // skip
+  CHECK(s.growth_tracker() == 0);
+  CHECK(s.scale() == 2.0);
+  CHECK(s.skipped_steps() == 1);
+}
+
+TEST_CASE("LossScaler: torch _run_scaling_case, scale = 128 * 2^unskipped * 0.5^skipped") {
+  // torch's scaling tests: init 128, interval 1, four iterations with an inf injected at the third.
+  DynamicLossScaler s({.init_scale = 128.0, .growth_interval = 1});
+  const std::vector<bool> found_inf = {false, false, true, false};
+  int unskipped = 0, skipped = 0;
+  for (bool inf : found_inf) {
+    const bool skip = s.update(inf);
+    CHECK(skip == inf);
+    (skip ? skipped : unskipped) += 1;
+  }
+  CHECK(unskipped == 3);
+  CHECK(skipped == 1);
+  CHECK(s.scale() == 128.0 * std::pow(2.0, unskipped) * std::pow(0.5, skipped));  // 512
+  CHECK(s.skipped_steps() == 1);
+}
+
+TEST_CASE("LossScaler: growth that would overflow f32 leaves the scale unchanged") {
+  // 2^126 grows to 2^127 (finite); 2^127 * 2 = 2^128 is inf in f32, so it stays.
+  DynamicLossScaler s({.init_scale = std::ldexp(1.0, 126), .growth_interval = 1});
+  s.update(false);
+  CHECK(s.scale() == std::ldexp(1.0, 127));
+  for (int i = 0; i < 3; ++i) {
+    CHECK_FALSE(s.update(false));
+    CHECK(s.scale() == std::ldexp(1.0, 127));
+    CHECK(s.growth_tracker() == 0);  // the tracker restarts even when growth is refused
+  }
+  // Growth is judged on the f32 result: 2^127 * 1.5 is below FLT_MAX, so it is taken.
+  DynamicLossScaler t({.init_scale = std::ldexp(1.0, 127), .growth_factor = 1.5,
+                       .growth_interval = 1});
+  t.update(false);
+  CHECK(t.scale() == 1.5 * std::ldexp(1.0, 127));
+}
+
+TEST_CASE("LossScaler: without a floor the scale backs off to 0, as PyTorch") {
+  // f32's smallest subnormal is 2^-149; halving from 1 reaches 0 after 150 backoffs.
+  DynamicLossScaler s({.init_scale = 1.0});
+  for (int i = 0; i < 149; ++i) s.update(true);
+  CHECK(s.scale() == std::ldexp(1.0, -149));
+  s.update(true);
+  CHECK(s.scale() == 0.0);
+  CHECK(std::isinf(s.inv_scale()));
+  CHECK(s.skipped_steps() == 150);
+}
+
+TEST_CASE("LossScaler: hysteresis 2 tolerates one overflow, backs off on the second in a row") {
+  DynamicLossScaler s({.init_scale = 1024.0, .growth_interval = 3, .hysteresis = 2});
+  CHECK(s.update(true));  // tolerated: skipped, scale kept
+  CHECK(s.scale() == 1024.0);
+  CHECK(s.consecutive_overflows() == 1);
+  CHECK_FALSE(s.update(false));  // a finite step resets the count
+  CHECK(s.consecutive_overflows() == 0);
+  CHECK(s.update(true));  // tolerated again
+  CHECK(s.scale() == 1024.0);
+  CHECK(s.update(true));  // second in a row: back off
+  CHECK(s.scale() == 512.0);
+  CHECK(s.update(true));  // and every further one in the same run
+  CHECK(s.scale() == 256.0);
+  CHECK(s.consecutive_overflows() == 3);
+  CHECK(s.skipped_steps() == 4);
+  // A tolerated overflow still restarts the growth window: it needs 3 finite steps in a row.
+  s.update(false);
+  s.update(false);
+  CHECK(s.update(true));
+  CHECK(s.scale() == 256.0);
+  s.update(false);
+  s.update(false);
+  CHECK(s.scale() == 256.0);
+  s.update(false);
+  CHECK(s.scale() == 512.0);
+}
+
+TEST_CASE("LossScaler: min_loss_scale is a floor the scale never goes below") {
+  // 3 * 0.5 = 1.5 is clamped to the floor 2, which then holds.
+  DynamicLossScaler s({.init_scale = 3.0, .min_loss_scale = 2.0});
+  CHECK(s.update(true));
+  CHECK(s.scale() == 2.0);
+  for (int i = 0; i < 100; ++i) CHECK(s.update(true));
+  CHECK(s.scale() == 2.0);
+  CHECK(s.skipped_steps() == 101);
+  // Growth leaves the floor as usual.
+  DynamicLossScaler g({.init_scale = 2.0, .growth_interval = 1, .min_loss_scale = 2.0});
+  g.update(false);
+  CHECK(g.scale() == 4.0);
+}
+
+TEST_CASE("LossScaler: max_overflows_at_floor stops the run, a finite step resets the count") {
+  const LossScalerConfig config{.init_scale = 8.0, .min_loss_scale = 2.0,
+                                .max_overflows_at_floor = 3};
+  DynamicLossScaler s(config);
+  CHECK(s.update(true));  // 8 -> 4: this step ran above the floor
+  CHECK(s.update(true));  // 4 -> 2: still above when it ran
+  CHECK(s.scale() == 2.0);
+  CHECK(s.update(true));  // 1st overflow at the floor
+  CHECK(s.update(true));  // 2nd
+  CHECK_FALSE(s.update(false));  // finite: the count starts again
+  CHECK(s.scale() == 2.0);
+  CHECK(s.update(true));  // 1st
+  CHECK(s.update(true));  // 2nd
+  bool thrown = false;
+  try {
+    s.update(true);  // 3rd in a row at the floor
+  } catch (const LossScaleFloorError& e) {
+    thrown = true;
+    const std::string msg = e.what();
+    CHECK(msg.find("3 consecutive overflowing steps") != std::string::npos);
+    CHECK(msg.find("scale 2") != std::string::npos);
+    CHECK(msg.find("min_loss_scale 2") != std::string::npos);
+  }
+  CHECK(thrown);
+  CHECK(s.skipped_steps() == 7);
+  // The count at the floor survives a checkpoint: two overflows before saving, one after, throws.
+  DynamicLossScaler before({.init_scale = 2.0, .min_loss_scale = 2.0,
+                            .max_overflows_at_floor = 3});
+  before.update(true);
+  before.update(true);
+  DynamicLossScaler after;
+  after.load_state_dict(nlohmann::json::parse(before.state_dict().dump()));
+  CHECK_THROWS_AS(after.update(true), LossScaleFloorError);
+  // It is a microbatch::Error, so callers catching Error see it too.
+  DynamicLossScaler t({.init_scale = 2.0, .min_loss_scale = 2.0, .max_overflows_at_floor = 1});
+  check_throws_with([&] { t.update(true); }, "loss-scale floor");
+}
+
+TEST_CASE("LossScaler: inv_scale is (float)(1.0 / (double)scale), bit for bit") {
+  CHECK(DynamicLossScaler().inv_scale() == std::ldexp(1.0f, -16));
+  // Dividing two f32 values through f64 rounds the same as one correctly rounded f32 division
+  // (f64 carries more than 2*24+2 bits), so 1.0f / scale is an independent reference.
+  for (double init : {65536.0, 3.0, 0.1, 1e-30, 7.0e37}) {
+    DynamicLossScaler s({.init_scale = init, .growth_factor = 1.7, .backoff_factor = 0.3,
+                         .growth_interval = 1});
+    for (int i = 0; i < 4; ++i) {
+      const float scale = static_cast<float>(s.scale());
+      CHECK(static_cast<double>(scale) == s.scale());  // the scale is an f32 value
+      CHECK(std::bit_cast<std::uint32_t>(s.inv_scale()) ==
+            std::bit_cast<std::uint32_t>(1.0f / scale));
+      s.update(i % 2 == 0);
+    }
+  }
+  // backoff 0.3 from 1: the f32 rounding of 0.3, not the f64 one.
+  DynamicLossScaler s({.init_scale = 1.0, .backoff_factor = 0.3});
+  s.update(true);
+  CHECK(s.scale() == static_cast<double>(0.3f));
+}
+
+TEST_CASE("LossScaler: state_dict round trip continues identically") {
+  const LossScalerConfig config{.init_scale = 1000.0, .growth_factor = 1.7,
+                                .backoff_factor = 0.3, .growth_interval = 3, .hysteresis = 2,
+                                .min_loss_scale = 1.0, .max_overflows_at_floor = 0};
+  // A fixed pattern of overflows, with runs of two so that hysteresis backs off.
+  std::vector<bool> found_inf;
+  for (int i = 0; i < 60; ++i) found_inf.push_back(i % 7 == 2 || i % 7 == 3 || i % 11 == 5);
+  DynamicLossScaler a(config);
+  for (int i = 0; i < 25; ++i) a.update(found_inf[i]);
+  // Through text, as a checkpoint file would carry it.
+  const auto saved = nlohmann::json::parse(a.state_dict().dump());
+  DynamicLossScaler b;  // different config: the checkpoint's wins
+  b.load_state_dict(saved);
+  CHECK(b.config().growth_factor == 1.7);
+  CHECK(b.config().hysteresis == 2);
+  CHECK(b.config().min_loss_scale == 1.0);
+  for (int i = 25; i < 60; ++i) {
+    CHECK(a.update(found_inf[i]) == b.update(found_inf[i]));
+    CHECK(std::bit_cast<std::uint64_t>(a.scale()) == std::bit_cast<std::uint64_t>(b.scale()));
+    CHECK(a.growth_tracker() == b.growth_tracker());
+    CHECK(a.consecutive_overflows() == b.consecutive_overflows());
+    CHECK(a.skipped_steps() == b.skipped_steps());
+  }
+  CHECK(a.skipped_steps() > 0);
+  CHECK(a.scale() != 1000.0);  // the pattern moved the scale, so the comparison meant something
+
+  auto broken = saved;
+  broken.erase("growth_tracker");
+  check_throws_with([&] { b.load_state_dict(broken); }, "growth_tracker");
+  broken = saved;
+  broken["scale"] = 0.5;  // below the floor
+  check_throws_with([&] { b.load_state_dict(broken); }, "min_loss_scale");
+  broken = saved;
+  broken["backoff_factor"] = 2.0;
+  check_throws_with([&] { b.load_state_dict(broken); }, "backoff_factor");
+}
+
+TEST_CASE("LossScaler: bad configs name the field") {
+  auto make = [](LossScalerConfig c) { return [c] { DynamicLossScaler s(c); }; };
+  check_throws_with(make({.growth_factor = 1.0}), "growth_factor");
+  check_throws_with(make({.growth_factor = 0.5}), "growth_factor");
+  check_throws_with(make({.backoff_factor = 0.0}), "backoff_factor");
+  check_throws_with(make({.backoff_factor = 1.0}), "backoff_factor");
+  check_throws_with(make({.growth_interval = 0}), "growth_interval");
+  check_throws_with(make({.hysteresis = 0}), "hysteresis");
+  check_throws_with(make({.init_scale = 0.0}), "init_scale");
+  check_throws_with(make({.init_scale = -1.0}), "init_scale");
+  check_throws_with(make({.init_scale = 1e39}), "init_scale");  // inf in f32
+  check_throws_with(make({.min_loss_scale = -1.0}), "min_loss_scale");
+  check_throws_with(make({.init_scale = 1.0, .min_loss_scale = 2.0}), "min_loss_scale");
+  check_throws_with(make({.max_overflows_at_floor = -1}), "max_overflows_at_floor");
+  check_throws_with(make({.max_overflows_at_floor = 3}), "needs a floor");
+}
