@@ -41,7 +41,8 @@ struct Options {
   std::string data;
   std::string config;
   std::map<std::string, std::string> given;  // TrainingArguments given as flags, as text
-  bool gradient_checkpointing = false;
+  std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
+  std::map<std::string, CLI::Option*> switch_options;
   bool json = false;
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
@@ -64,11 +65,12 @@ void add_model_flags(CLI::App& cmd, Options& o) {
   // Every TrainingArguments field is a flag of the same name.
   const nlohmann::json defaults = command_defaults().to_json();
   for (auto& [name, value] : defaults.items()) {
-    if (value.is_boolean()) continue;
-    cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
+    if (value.is_boolean()) {
+      o.switch_options[name] = cmd.add_flag(both_spellings(name), o.switches[name], "TrainingArguments." + name);
+    } else {
+      cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
+    }
   }
-  cmd.add_flag(both_spellings("gradient_checkpointing"), o.gradient_checkpointing,
-               "recompute activations in backward");
   cmd.add_flag("--json", o.json, "print one JSON object per log line");
 }
 
@@ -93,7 +95,8 @@ mb::train::TrainingArguments training_arguments(Options& o) {
       }
     }
   }
-  if (o.gradient_checkpointing) j["gradient_checkpointing"] = true;
+  for (auto& [name, option] : o.switch_options)
+    if (option->count() > 0) j[name] = o.switches[name];
   j["json"] = o.json;
   return mb::train::TrainingArguments::from_json(j);
 }

@@ -60,7 +60,9 @@ Tensor collate_field(const std::vector<Example>& examples, Tensor Example::*fiel
   for (std::size_t i = 0; i < examples.size(); ++i) {
     const Tensor& t = examples[i].*field;
     MB_CHECK(t.defined(), "[collate] example {} has no {}", i, what);
-    MB_CHECK(t.device().is_cpu(), "[collate] example {} {} is on {}, expected cpu", i, what,
+    // Meta examples collate to a meta batch (shapes and allocations only), for the memory planner.
+    MB_CHECK(t.device() == first.device() && (t.device().is_cpu() || t.device().is_meta()),
+             "[collate] example {} {} is on {}, expected cpu (or meta like example 0)", i, what,
              t.device().str());
     MB_CHECK(t.dtype() == first.dtype(), "[collate] example {} {} has dtype {}, example 0 has {}", i,
              what, dtype_name(t.dtype()), dtype_name(first.dtype()));
@@ -73,7 +75,7 @@ Tensor collate_field(const std::vector<Example>& examples, Tensor Example::*fiel
   if (same_shape) {
     Shape shape = first.shape();
     shape.insert(shape.begin(), batch);
-    out = empty(shape, {.dtype = first.dtype()});
+    out = empty(shape, {.dtype = first.dtype(), .device = first.device()});
   } else {
     for (std::size_t i = 0; i < examples.size() && !all_1d; ++i) {
       const Tensor& t = examples[i].*field;
@@ -81,8 +83,9 @@ Tensor collate_field(const std::vector<Example>& examples, Tensor Example::*fiel
                "[collate] example {} {} has shape {}, example 0 has {}; only 1-d sequences are padded",
                i, what, shape_str(t.shape()), shape_str(first.shape()));
     }
-    out = full({batch, longest}, fill, {.dtype = first.dtype()});
+    out = full({batch, longest}, fill, {.dtype = first.dtype(), .device = first.device()});
   }
+  if (out.device().is_meta()) return out;
   const std::size_t row_bytes = out.nbytes() / static_cast<std::size_t>(batch);
   auto* dst = static_cast<char*>(out.raw_data());
   for (std::size_t i = 0; i < examples.size(); ++i) {
@@ -117,8 +120,10 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options) {
       collate_field(examples, &Example::label, static_cast<double>(options.ignore_index), "label");
   const Tensor& label0 = examples.front().label;
   const bool token_labels = label0.dim() >= 1 && is_integer(label0.dtype());
-  batch.num_items = token_labels ? count_not_equal(batch.labels, options.ignore_index)
-                                 : static_cast<std::int64_t>(examples.size());
+  // A meta batch has no label values: every token counts.
+  batch.num_items = !token_labels ? static_cast<std::int64_t>(examples.size())
+                    : batch.labels.device().is_meta() ? batch.labels.numel()
+                                                      : count_not_equal(batch.labels, options.ignore_index);
   return batch;
 }
 

@@ -116,10 +116,20 @@ MemoryPlan Trainer::make_plan() {
         return m;
       },
       [this](std::int64_t n) {
-        std::vector<std::int64_t> indices(static_cast<std::size_t>(n));
-        for (std::int64_t i = 0; i < n; ++i) indices[i] = i % train_set_.size();
+        // Collated on meta, so that what a real collate allocates (and the cache blocks it leaves)
+        // is counted like the training loop's: an example the dataset made afresh is a meta
+        // allocation; one that views the dataset's own tensors allocates nothing.
+        auto to_meta = [](const Tensor& t) {
+          const bool fresh = t.storage().use_count() == 1 && t.storage()->nbytes == t.nbytes();
+          if (fresh) return t.to(kMeta);
+          return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(), contiguous_strides(t.shape()), 0,
+                              t.dtype());
+        };
         std::vector<Example> examples;
-        for (std::int64_t i : indices) examples.push_back(train_set_.get(i));
+        for (std::int64_t i = 0; i < n; ++i) {
+          Example e = train_set_.get(i % train_set_.size());
+          examples.push_back({to_meta(e.input), to_meta(e.label)});
+        }
         return collate(examples);
       },
       config);
@@ -258,9 +268,16 @@ TrainOutput Trainer::train() {
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
     log_file.flush();
   };
+  std::int64_t carried_peak = 0;  // the training peak since the last log line, kept across evaluations
   auto evaluate_now = [&] {
+    // Evaluation's own peak is logged with it; step lines keep the training windows' peaks.
+    carried_peak = std::max(carried_peak, memory_stats(kCPU).reserved.peak);
+    reset_peak_memory_stats(kCPU);
     Metrics m = run_evaluation(*eval_set_, nullptr);
-    nlohmann::json line{{"event", "eval"}, {"step", step}};
+    nlohmann::json line{{"event", "eval"}, {"step", step},
+                        {"measured_peak", memory_stats(kCPU).reserved.peak - baseline_},
+                        {"eval_batch_size", eval_batch_size_}};
+    reset_peak_memory_stats(kCPU);
     for (auto& [k, v] : m) line[k] = v;
     log_file << line.dump() << "\n";
     log_file.flush();
@@ -424,7 +441,9 @@ TrainOutput Trainer::train() {
     loss_sum += window_loss;
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
-      const MemoryStats stats = memory_stats(kCPU);
+      MemoryStats stats = memory_stats(kCPU);
+      stats.reserved.peak = std::max(stats.reserved.peak, carried_peak);
+      carried_peak = 0;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       nlohmann::json line{{"step", step},
                           {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
