@@ -277,6 +277,9 @@ TrainOutput Trainer::train() {
     nlohmann::json line{{"event", "eval"}, {"step", step},
                         {"measured_peak", memory_stats(kCPU).reserved.peak - baseline_},
                         {"eval_batch_size", eval_batch_size_}};
+    // Evaluation's cached blocks are not the training window's memory: hand them back, so that the
+    // windows after it run at their planned peak.
+    empty_cache(kCPU);
     reset_peak_memory_stats(kCPU);
     for (auto& [k, v] : m) line[k] = v;
     log_file << line.dump() << "\n";
