@@ -84,6 +84,12 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
 
 Trainer::~Trainer() = default;
 
+std::optional<DType> Trainer::gradient_dtype() const {
+  // "f32" means full-precision accumulators: f32, or f64 for an f64 model (the ParamStore default).
+  if (args_.gradient_accumulation_dtype == "f32") return std::nullopt;
+  return parse_dtype(args_.gradient_accumulation_dtype);
+}
+
 Tensor Trainer::model_inputs(const Tensor& inputs) const {
   if (!compute_dtype_ || !is_floating(inputs.dtype()) || inputs.dtype() == *compute_dtype_) return inputs;
   return inputs.to(*compute_dtype_);
@@ -105,6 +111,7 @@ MemoryPlan Trainer::make_plan() {
   if (args_.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
   config.store.compute_dtype = compute_dtype_;
+  config.store.grad_dtype = gradient_dtype();
   config.adamw = {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
                   .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay};
   // Measuring builds models: keep the random stream the training run will see untouched.
@@ -206,7 +213,7 @@ TrainOutput Trainer::train() {
   const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
 
   model_->train();
-  optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_});
+  optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_, .grad_dtype = gradient_dtype()});
   std::optional<optim::DynamicLossScaler> scaler;
   if (args_.fp16) {
     scaler.emplace(optim::LossScalerConfig{.hysteresis = args_.loss_scale_hysteresis,

@@ -96,6 +96,7 @@ class Trainer {
   std::int64_t baseline_ = 0;  // CPU bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16
   Tensor model_inputs(const Tensor& inputs) const;
+  std::optional<DType> gradient_dtype() const;
 };
 
 }  // namespace microbatch::train

@@ -58,6 +58,10 @@ void TrainingArguments::validate() const {
            "[TrainingArguments] save_strategy must be no, steps or epoch, got '{}'", save_strategy);
   MB_CHECK(save_steps >= 1, "[TrainingArguments] save_steps must be >= 1, got {}", save_steps);
   MB_CHECK(!(fp16 && bf16), "[TrainingArguments] fp16 and bf16 are exclusive: choose one");
+  MB_CHECK(gradient_accumulation_dtype == "f32" || gradient_accumulation_dtype == "f16" ||
+               gradient_accumulation_dtype == "bf16",
+           "[TrainingArguments] gradient_accumulation_dtype must be f32, f16 or bf16, got '{}'",
+           gradient_accumulation_dtype);
   MB_CHECK(loss_scale_floor > 0, "[TrainingArguments] loss_scale_floor must be > 0, got {}", loss_scale_floor);
   optim::parse_schedule(lr_scheduler_type);
   resolve_batch_triad(*this);
@@ -114,6 +118,7 @@ nlohmann::json TrainingArguments::to_json() const {
   j["save_total_limit"] = save_total_limit;
   j["resume_from_checkpoint"] = resume_from_checkpoint;
   j["fp16"] = fp16;
+  j["gradient_accumulation_dtype"] = gradient_accumulation_dtype;
   j["bf16"] = bf16;
   j["loss_scale_floor"] = loss_scale_floor;
   j["max_overflows_at_floor"] = max_overflows_at_floor;
@@ -176,6 +181,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("save_total_limit", a.save_total_limit);
   get("resume_from_checkpoint", a.resume_from_checkpoint);
   get("fp16", a.fp16);
+  get("gradient_accumulation_dtype", a.gradient_accumulation_dtype);
   get("bf16", a.bf16);
   get("loss_scale_floor", a.loss_scale_floor);
   get("max_overflows_at_floor", a.max_overflows_at_floor);

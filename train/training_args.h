@@ -41,6 +41,7 @@ struct TrainingArguments {
   std::int64_t save_total_limit = 0;             // keep at most this many checkpoints; 0 = all
   std::string resume_from_checkpoint;            // a checkpoint folder, or "latest" in output_dir
   bool fp16 = false;                             // f16 weights and activations, f32 master, loss scaling
+  std::string gradient_accumulation_dtype = "f32";  // f32, or f16 / bf16 accumulators (half the bytes)
   bool bf16 = false;                             // bf16 weights and activations, f32 master
   double loss_scale_floor = 1.0;                 // fp16: the dynamic scale never goes below this
   std::int64_t max_overflows_at_floor = 20;      // fp16: consecutive overflows at the floor that stop the run

@@ -86,6 +86,10 @@ TEST_CASE("the fused boundary step matches a per-tensor reference bitwise for 7 
       CHECK(store.master().to_vector() == before_master);
       CHECK(bits_of(store.weights()) == before_work);
       CHECK(adamw.step_count() == t);
+      for (const auto& e : store.entries()) {  // the moments too
+        std::vector<double> m1 = adamw.state_dict().at("exp_avg").slice(0, e.offset, e.offset + e.numel).to_vector();
+        for (std::size_t i = 0; i < m1.size(); ++i) CHECK(static_cast<float>(m1[i]) == mom[e.name][i]);
+      }
       continue;
     }
     ++t;
@@ -177,8 +181,40 @@ TEST_CASE("a poisoned sample ends at the loss-scale floor with a clear error and
   train::CheckpointData state = train::load_checkpoint(saved[0]);
   CHECK(state.trainer_state["scaler"]["scale"].get<double>() == 1.0);
   CHECK(state.trainer_state["skipped_steps"].get<std::int64_t>() == 19);
+  CHECK(state.trainer_state["scheduler_steps"].get<std::int64_t>() == 0);  // the schedule never moved
+  CHECK(state.optimizer.at("step").item() == 0);                          // nor AdamW's step count
   for (auto& [name, t] : state.model)
     for (double v : t.to_vector()) REQUIRE(std::isfinite(v));
   // No update was ever applied: the saved weights are the initial ones.
   check_close(state.model.at("net.1.weight"), w0.to(DType::f32), 1e-3, 1e-3, "weights unchanged");
+}
+
+TEST_CASE("16-bit gradient accumulators are selectable and the planner charges them") {
+  manual_seed(8);
+  train::TensorDataset data(rand({64, 28, 28}), (rand({64}) * 10.0).to(DType::i64));
+  auto plan_for = [&](const std::string& grad_dtype) {
+    TempDir dir;
+    train::Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64}}); },
+                           {.output_dir = dir.path.string(), .per_device_train_batch_size = 16, .memory_budget = 64 << 20,
+                            .max_steps = 2, .gradient_accumulation_dtype = grad_dtype, .bf16 = true},
+                           data);
+    std::ostringstream sink;
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    // The plan holds in both cases: what the run measured is what the planner predicted.
+    std::ifstream in(dir.path / "log.jsonl");
+    std::string line;
+    while (std::getline(in, line)) {
+      auto j = nlohmann::json::parse(line);
+      if (!j.contains("event")) CHECK(j["measured_peak"].get<std::int64_t>() == trainer.plan().predicted_peak);
+    }
+    return trainer.plan();
+  };
+  const train::MemoryPlan f32 = plan_for("f32"), bf16 = plan_for("bf16");
+  const std::int64_t params = 784 * 64 + 64 + 64 * 10 + 10;
+  CHECK(f32.breakdown.gradients >= params * 4);
+  CHECK(bf16.breakdown.gradients >= params * 2);
+  CHECK(bf16.breakdown.gradients < params * 2 + 1024);
+  check_throws_with([] { train::TrainingArguments{.gradient_accumulation_dtype = "f8"}.validate(); },
+                    "gradient_accumulation_dtype must be f32, f16 or bf16");
 }
