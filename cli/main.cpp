@@ -50,6 +50,8 @@ struct Options {
 };
 
 void add_model_flags(CLI::App& cmd, Options& o) {
+  // A flag given twice takes its last value, so wrappers such as scripts/train.sh can be overridden.
+  cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd.add_option("--model", o.model, "mlp, cnn or gpt")->check(CLI::IsMember({"mlp", "cnn", "gpt"}));
   cmd.add_option("--data", o.data,
                  "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
