@@ -61,4 +61,17 @@ void LRScheduler::set_steps(std::int64_t steps) {
   optimizer_.set_lr(base_lr_ * lr_multiplier(config_, steps_));
 }
 
+std::map<std::string, Tensor> LRScheduler::state_dict() const {
+  return {{"steps", scalar_tensor(static_cast<double>(steps_), {.dtype = DType::i64})},
+          {"base_lr", scalar_tensor(base_lr_, {.dtype = DType::f64})}};
+}
+
+void LRScheduler::load_state_dict(const std::map<std::string, Tensor>& state) {
+  auto steps = state.find("steps");
+  auto base = state.find("base_lr");
+  MB_CHECK(steps != state.end() && base != state.end(), "[LRScheduler] state needs 'steps' and 'base_lr'");
+  base_lr_ = base->second.item();
+  set_steps(static_cast<std::int64_t>(steps->second.item()));
+}
+
 }  // namespace microbatch::optim

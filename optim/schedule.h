@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "optim/optimizer.h"
@@ -34,6 +35,9 @@ class LRScheduler {
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t steps);
   double base_lr() const { return base_lr_; }
+  /// The schedule's position (steps taken), for checkpoints.
+  std::map<std::string, Tensor> state_dict() const;
+  void load_state_dict(const std::map<std::string, Tensor>& state);
 
  private:
   Optimizer& optimizer_;

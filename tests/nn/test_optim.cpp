@@ -113,3 +113,18 @@ TEST_CASE("clip_grad_norm_ scales to max_norm and returns the norm") {
   CHECK(norm == doctest::Approx(5.0));
   CHECK(store.grad_norm().norm == doctest::Approx(1.0).epsilon(1e-6));
 }
+
+TEST_CASE("LRScheduler state_dict restores the position and the learning rate") {
+  Tiny m;
+  optim::ParamStore store(m);
+  optim::AdamW opt(store, {.lr = 0.1});
+  optim::LRScheduler sched(opt, {.type = optim::ScheduleType::Cosine, .warmup_steps = 2, .total_steps = 10});
+  for (int i = 0; i < 5; ++i) sched.step();
+  auto state = sched.state_dict();
+  optim::AdamW opt2(store, {.lr = 0.1});
+  optim::LRScheduler again(opt2, {.type = optim::ScheduleType::Cosine, .warmup_steps = 2, .total_steps = 10});
+  again.load_state_dict(state);
+  CHECK(again.steps() == 5);
+  CHECK(opt2.lr() == opt.lr());
+  check_throws_with([&] { again.load_state_dict({}); }, "[LRScheduler] state needs");
+}
