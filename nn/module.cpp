@@ -35,14 +35,16 @@ std::vector<std::pair<std::string, Tensor*>> Module::parameter_slots() {
   return out;
 }
 
-NamedTensors Module::named_parameters() const {
+NamedTensors Module::named(bool params) const {
   std::vector<std::pair<std::string, Tensor*>> slots;
   std::vector<const Tensor*> seen;
-  collect("", true, slots, seen);
+  collect("", params, slots, seen);
   NamedTensors out;
   for (auto& [n, s] : slots) out.emplace_back(n, *s);
   return out;
 }
+
+NamedTensors Module::named_parameters() const { return named(true); }
 
 std::vector<Tensor> Module::parameters() const {
   std::vector<Tensor> out;
@@ -50,14 +52,7 @@ std::vector<Tensor> Module::parameters() const {
   return out;
 }
 
-NamedTensors Module::named_buffers() const {
-  std::vector<std::pair<std::string, Tensor*>> slots;
-  std::vector<const Tensor*> seen;
-  collect("", false, slots, seen);
-  NamedTensors out;
-  for (auto& [n, s] : slots) out.emplace_back(n, *s);
-  return out;
-}
+NamedTensors Module::named_buffers() const { return named(false); }
 
 std::int64_t Module::num_parameters() const {
   std::int64_t n = 0;

@@ -57,6 +57,8 @@ class Module {
   }
 
  private:
+  // Parameters (or buffers) by dotted name, each tensor once.
+  NamedTensors named(bool params) const;
   // Every slot of this module and its children, tied ones included (for moves).
   void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
   void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,

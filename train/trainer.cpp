@@ -194,8 +194,6 @@ std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const s
   return chunks;
 }
 
-std::string iso_bytes(std::int64_t b) { return format_bytes(b); }
-
 }  // namespace
 
 // Note [Out-of-memory recovery]: a micro-batch that throws OutOfMemoryError is abandoned (its
@@ -368,7 +366,7 @@ TrainOutput Trainer::train() {
         ++micro_batches;
       } catch (const OutOfMemoryError& e) {
         MB_CHECK(chunk.size() > 1, "[Trainer] one sample does not fit in the memory budget of {}: {}",
-                 iso_bytes(args_.memory_budget), e.what());
+                 format_bytes(args_.memory_budget), e.what());
         const std::size_t half = chunk.size() / 2;
         Chunk first(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(half));
         Chunk second(chunk.begin() + static_cast<std::ptrdiff_t>(half), chunk.end());
@@ -482,15 +480,15 @@ TrainOutput Trainer::train() {
         const int done = static_cast<int>(width * step / total_steps);
         out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
                            std::string(width - done, ' '), step, total_steps, window_loss, lr,
-                           iso_bytes(stats.reserved.peak - baseline_));
+                           format_bytes(stats.reserved.peak - baseline_));
         out << scale_text;
         if (step == total_steps) out << "\n";
       } else {
         out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
                            "micro {} x {} | peak {} (predicted {})",
                            step, total_steps, line["epoch"].get<double>(), window_loss, lr, norm.norm,
-                           plan_.micro_batch_size, micro_batches, iso_bytes(stats.reserved.peak - baseline_),
-                           plan_.predicted_peak > 0 ? iso_bytes(plan_.predicted_peak) : std::string("-"));
+                           plan_.micro_batch_size, micro_batches, format_bytes(stats.reserved.peak - baseline_),
+                           plan_.predicted_peak > 0 ? format_bytes(plan_.predicted_peak) : std::string("-"));
         out << scale_text << "\n";
       }
       out.flush();
