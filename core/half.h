@@ -6,6 +6,8 @@
 #include <cstring>
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #define MB_HOST_DEVICE __host__ __device__
 #else
 #define MB_HOST_DEVICE
@@ -27,6 +29,9 @@ MB_HOST_DEVICE inline float bits_float(std::uint32_t u) {
 
 /// IEEE 754 binary16, round to nearest even; overflow gives inf (like a CUDA __float2half_rn).
 MB_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));  // the same rounding, one instruction
+#else
   std::uint32_t x = float_bits(f);
   std::uint32_t sign = (x >> 16) & 0x8000u;
   std::uint32_t exp = (x >> 23) & 0xffu;
@@ -48,9 +53,13 @@ MB_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) {
   std::uint32_t rem = mant & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is correct
   return static_cast<std::uint16_t>(sign | h);
+#endif
 }
 
 MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
   std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   std::uint32_t exp = (h >> 10) & 0x1fu;
   std::uint32_t mant = h & 0x3ffu;
@@ -60,6 +69,7 @@ MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
   }
   if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));
   return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+#endif
 }
 
 /// bfloat16: the top half of an f32, round to nearest even; NaN stays NaN.
@@ -71,7 +81,11 @@ MB_HOST_DEVICE inline std::uint16_t float_to_bf16_bits(float f) {
 }
 
 MB_HOST_DEVICE inline float bf16_bits_to_float(std::uint16_t b) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat162float(__ushort_as_bfloat16(b));
+#else
   return bits_float(static_cast<std::uint32_t>(b) << 16);
+#endif
 }
 
 /// Half-precision storage element.

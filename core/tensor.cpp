@@ -48,6 +48,13 @@ int wrap_dim(std::int64_t dim, int ndim, const char* op) {
   return static_cast<int>(dim < 0 ? dim + n : dim);
 }
 
+namespace {
+thread_local Backend g_meta_backend = Backend::cpu;
+}  // namespace
+
+Backend meta_backend() { return g_meta_backend; }
+void set_meta_backend(Backend backend) { g_meta_backend = backend; }
+
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   const std::size_t n = std::max(a.size(), b.size());
   Shape out(n);

@@ -4,11 +4,60 @@
 #include <utility>
 
 #include "core/tensor.h"
+#include "kernels/device.h"
 
 namespace microbatch {
 
-/// Runs cpu_fn for CPU tensors and nothing on meta (shapes and allocations only).
-/// CUDA kernels arrive with the CUDA backend; until then an op names itself in the error.
+/// Which kernel family an op's allocations follow. A CUDA tensor runs the CUDA kernels; a meta
+/// tensor runs none but must allocate what the device it stands in for would (Note [Meta
+/// mirrors a backend]); a CPU tensor runs the CPU kernels.
+enum class Backend { cpu, cuda };
+
+/// Note [Meta mirrors a backend]: where the CPU and CUDA paths of an op allocate different
+/// temporaries (a 16-bit GEMM converts its operands to f32 on the CPU and not on the GPU; the fused
+/// attention kernel saves less than the composed one), the op asks backend_of(device), and a meta
+/// tensor answers with the backend the planner is predicting for (MetaBackendGuard). The default
+/// is the CPU's.
+Backend meta_backend();
+void set_meta_backend(Backend backend);
+
+/// Sets the backend that meta tensors mirror for the guard's lifetime.
+class MetaBackendGuard {
+ public:
+  explicit MetaBackendGuard(Backend backend) : saved_(meta_backend()) { set_meta_backend(backend); }
+  ~MetaBackendGuard() { set_meta_backend(saved_); }
+  MetaBackendGuard(const MetaBackendGuard&) = delete;
+  MetaBackendGuard& operator=(const MetaBackendGuard&) = delete;
+
+ private:
+  Backend saved_;
+};
+
+inline Backend backend_of(Device device) {
+  switch (device.type) {
+    case DeviceType::cpu: return Backend::cpu;
+    case DeviceType::cuda: return Backend::cuda;
+    case DeviceType::meta: return meta_backend();
+  }
+  return Backend::cpu;
+}
+
+/// Runs cpu_fn for CPU tensors, cuda_fn (on the tensor's device) for CUDA tensors, and nothing on
+/// meta (shapes and allocations only). A CPU-only build links kernels/cuda/no_cuda.cpp, whose
+/// stubs throw, but a CUDA tensor cannot exist there in the first place.
+template <class CpuFn, class CudaFn>
+void launch(const char* op, Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
+  switch (device.type) {
+    case DeviceType::meta: return;
+    case DeviceType::cpu: std::forward<CpuFn>(cpu_fn)(); return;
+    case DeviceType::cuda:
+      kernels::cuda::set_device(device.index);
+      std::forward<CudaFn>(cuda_fn)();
+      return;
+  }
+}
+
+/// For ops with no CUDA kernel: a CUDA tensor names the op in the error.
 template <class CpuFn>
 void launch(const char* op, Device device, CpuFn&& cpu_fn) {
   switch (device.type) {

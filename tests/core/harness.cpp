@@ -128,6 +128,66 @@ void check_throws_with(const std::function<void()>& body, const std::string& nee
 
 bool has_cuda() { return cuda_available(); }
 
+ParityOptions parity_tolerance(DType dtype) {
+  switch (dtype) {
+    case DType::f64: return {.rtol = 1e-9, .atol = 1e-9};
+    case DType::f16: return {.rtol = 1e-2, .atol = 1e-2};
+    case DType::bf16: return {.rtol = 4e-2, .atol = 4e-2};
+    default: return {.rtol = 1e-3, .atol = 1e-3};
+  }
+}
+
+void check_cuda_parity(const std::string& name, const OpFn& f, const std::vector<Tensor>& inputs,
+                       ParityOptions options) {
+  REQUIRE_MESSAGE(has_cuda(), name << ": check_cuda_parity needs a CUDA device");
+  const Device gpu = cuda_device(0);
+  std::vector<Tensor> on_gpu;
+  for (const Tensor& t : inputs) {
+    if (!t.defined()) {
+      on_gpu.emplace_back();
+      continue;
+    }
+    Tensor g;
+    {
+      NoGradGuard no_grad;
+      g = t.to(gpu);
+    }
+    if (t.requires_grad()) g.requires_grad_(true);
+    on_gpu.push_back(g);
+  }
+  for (const Tensor& t : inputs) if (t.defined() && t.requires_grad()) t.set_grad({});
+  Tensor out_cpu = f(inputs);
+  Tensor out_gpu = f(on_gpu);
+  REQUIRE_MESSAGE(out_gpu.device() == gpu, name << ": the CUDA result is on " << out_gpu.device().str());
+  REQUIRE_MESSAGE(out_gpu.dtype() == out_cpu.dtype(),
+                  name << ": dtype " << dtype_name(out_gpu.dtype()) << " on CUDA vs "
+                       << dtype_name(out_cpu.dtype()) << " on CPU");
+  Tensor cpu_values, gpu_values;
+  {
+    NoGradGuard no_grad;
+    cpu_values = out_cpu.to(DType::f64);
+    gpu_values = out_gpu.to(kCPU).to(DType::f64);
+  }
+  check_close(gpu_values, cpu_values, options.rtol, options.atol, name + " output");
+  if (!options.check_grads || !out_cpu.requires_grad()) return;
+
+  Generator saved = default_generator();
+  manual_seed(4321);
+  Tensor r = rand(out_cpu.shape(), {.dtype = DType::f64}) * 2.0 - 1.0;
+  default_generator() = saved;
+  sum(out_cpu.to(DType::f64) * r).backward();
+  sum(out_gpu.to(DType::f64) * r.to(gpu)).backward();
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
+    Tensor gc = inputs[i].grad(), gg = on_gpu[i].grad();
+    REQUIRE_MESSAGE(gc.defined() == gg.defined(), name << ": input " << i << " has a gradient on one device only");
+    if (!gc.defined()) continue;
+    NoGradGuard no_grad;
+    check_close(gg.to(kCPU).to(DType::f64), gc.to(DType::f64), options.rtol, options.atol,
+                name + " gradient of input " + std::to_string(i));
+  }
+}
+
 TempDir::TempDir(const std::string& prefix) {
   static std::atomic<int> counter{0};
   path = std::filesystem::temp_directory_path() / fmt::format("{}_{}_{}", prefix, ::getpid(), counter++);

@@ -56,6 +56,22 @@ void check_throws_with(const std::function<void()>& body, const std::string& nee
 
 bool has_cuda();
 
+/// Tolerances of a CPU-vs-CUDA comparison (the f32 1e-3; REFERENCE.md's table for 16-bit).
+struct ParityOptions {
+  double rtol = 1e-3;
+  double atol = 1e-3;
+  bool check_grads = true;
+};
+
+/// Runs f on `inputs` (CPU tensors) and on copies of them on cuda:0 (leaves requiring grad where
+/// the originals do), and checks the outputs agree and so do the gradients of sum(f(inputs) * r)
+/// for a fixed random r. Fails the current test naming the op, the output or the input.
+void check_cuda_parity(const std::string& name, const OpFn& f, const std::vector<Tensor>& inputs,
+                       ParityOptions options = {});
+
+/// Tolerances for a dtype: f32 1e-3; f16 and bf16 from REFERENCE.md; f64 1e-9.
+ParityOptions parity_tolerance(DType dtype);
+
 }  // namespace microbatch::testing
 
 /// A test case that needs a CUDA device; doctest counts it as skipped where there is none.

@@ -1,0 +1,1 @@
+// kernels/cuda/accumulate.cu: filled in by the CUDA backend work.

@@ -1,0 +1,1 @@
+// kernels/cuda/attention.cu: filled in by the CUDA backend work.

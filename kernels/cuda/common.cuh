@@ -1,0 +1,90 @@
+// Device-side helpers shared by the CUDA kernels: element loads and stores in the compute type,
+// strided offsets, grid-stride loops, warp and block reductions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "core/half.h"
+#include "kernels/cuda/runtime.h"
+#include "kernels/view.h"
+
+namespace microbatch::kernels::cuda {
+
+inline constexpr int kThreads = 256;
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+/// Element offset (in elements) of the row-major `linear`-th coordinate of a view.
+__device__ __forceinline__ std::int64_t strided_offset(const StridedView& v, std::int64_t linear) {
+  std::int64_t off = 0;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    const std::int64_t n = v.shape[d];
+    off += (linear % n) * v.strides[d];
+    linear /= n;
+  }
+  return off;
+}
+
+/// Loads element `offset` of a T array as its compute type (f32 for 16-bit storage).
+template <class T>
+__device__ __forceinline__ compute_t<T> load(const void* data, std::int64_t offset) {
+  return static_cast<compute_t<T>>(static_cast<const T*>(data)[offset]);
+}
+
+template <class T>
+__device__ __forceinline__ void store(void* data, std::int64_t offset, compute_t<T> value) {
+  static_cast<T*>(data)[offset] = static_cast<T>(value);
+}
+
+/// Grid-stride loop index helpers.
+__device__ __forceinline__ std::int64_t global_thread() {
+  return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ std::int64_t grid_threads() {
+  return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+}
+
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+template <class T>
+__device__ __forceinline__ T warp_max(T v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    T other = __shfl_xor_sync(kFullMask, v, o);
+    v = (v != v || v > other) ? v : other;  // NaN wins, as the CPU kernels
+  }
+  return v;
+}
+
+/// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+/// `scratch` holds 32 values in shared memory; the call synchronises the block twice.
+template <class T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  T total = lane < warps ? scratch[lane] : T(0);
+  return warp_sum(total);
+}
+
+template <class T>
+__device__ __forceinline__ T block_max(T v, T* scratch, T lowest) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  T total = lane < warps ? scratch[lane] : lowest;
+  return warp_max(total);
+}
+
+}  // namespace microbatch::kernels::cuda

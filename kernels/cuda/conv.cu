@@ -1,0 +1,1 @@
+// kernels/cuda/conv.cu: filled in by the CUDA backend work.

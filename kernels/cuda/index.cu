@@ -1,0 +1,1 @@
+// kernels/cuda/index.cu: filled in by the CUDA backend work.

@@ -1,0 +1,1 @@
+// kernels/cuda/optim.cu: filled in by the CUDA backend work.
