@@ -1,6 +1,8 @@
 // The `microbatch` command: train, plan, and check-accumulation. Training flags carry Hugging Face
 // TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads them
-// from a file first, and flags given on the command line win.
+// from a file first, and flags given on the command line win. Training goes to cuda:0 when a CUDA
+// device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a GPU
+// on any machine.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
@@ -39,6 +41,10 @@ mb::train::TrainingArguments command_defaults() {
 struct Options {
   std::string model = "mlp";
   std::string data;
+  std::string dataset = "file";        // or "synthetic" (token models)
+  std::int64_t synthetic_size = 10000;  // examples of the synthetic dataset
+  std::int64_t vocab_size = 256;        // gpt on synthetic tokens
+  CLI::Option* block_size_option = nullptr;
   std::string config;
   std::map<std::string, std::string> given;  // TrainingArguments given as flags, as text
   std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
@@ -52,12 +58,20 @@ struct Options {
 void add_model_flags(CLI::App& cmd, Options& o) {
   // A flag given twice takes its last value, so wrappers such as scripts/train.sh can be overridden.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  cmd.add_option("--model", o.model, "mlp, cnn or gpt")->check(CLI::IsMember({"mlp", "cnn", "gpt"}));
+  cmd.add_option("--model", o.model, "mlp, cnn, gpt (sized by the flags below) or gpt2 (GPT-2 small, 124M)")
+      ->check(CLI::IsMember({"mlp", "cnn", "gpt", "gpt2"}));
   cmd.add_option("--data", o.data,
                  "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
-                 "text file (gpt; default ../shared/data/tinyshakespeare.txt)");
+                 "text file (gpt, gpt2; default ../shared/data/tinyshakespeare.txt)");
+  cmd.add_option("--dataset", o.dataset,
+                 "file: the data --data names; synthetic: seeded uniform random tokens (gpt, gpt2), for "
+                 "speed and memory benchmarks only (there is nothing in them to learn)")
+      ->check(CLI::IsMember({"file", "synthetic"}));
+  cmd.add_option(both_spellings("synthetic_size"), o.synthetic_size, "synthetic: number of sequences");
+  cmd.add_option(both_spellings("vocab_size"), o.vocab_size, "gpt on synthetic tokens: vocabulary size");
   cmd.add_option("--config", o.config, "TrainingArguments as a JSON file");
-  cmd.add_option(both_spellings("block_size"), o.gpt.block_size, "gpt: sequence length");
+  o.block_size_option = cmd.add_option(both_spellings("block_size"), o.gpt.block_size,
+                                       "gpt: sequence length; gpt2: training sequence length (at most 1024)");
   cmd.add_option(both_spellings("n_layer"), o.gpt.n_layer, "gpt: blocks");
   cmd.add_option(both_spellings("n_head"), o.gpt.n_head, "gpt: attention heads");
   cmd.add_option(both_spellings("n_embd"), o.gpt.n_embd, "gpt: width");
@@ -111,20 +125,37 @@ struct Job {
 
 Job make_job(Options& o) {
   Job job;
-  if (o.model == "gpt") {
-    const std::string path = o.data.empty() ? "../shared/data/tinyshakespeare.txt" : o.data;
-    mb::train::TextOptions text{.block_size = o.gpt.block_size,
-                                .level = o.text_level == "byte" ? mb::train::TextLevel::Byte
-                                                                : mb::train::TextLevel::Char};
-    auto train_text = std::make_unique<mb::train::TextDataset>(path, text);
-    text.split = mb::train::Split::Val;
-    job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
-    mb::nn::GPTConfig cfg = o.gpt;
-    cfg.vocab_size = train_text->vocab_size();
+  if (o.model == "gpt" || o.model == "gpt2") {
+    // gpt2 keeps GPT-2 small's 1024 positions and 50257 tokens whatever the data: its sequences may be
+    // shorter, and byte or char ids of a text file are ids of that vocabulary too.
+    const bool gpt2 = o.model == "gpt2";
+    mb::nn::GPTConfig cfg = gpt2 ? mb::nn::GPTConfig::gpt2_small() : o.gpt;
     cfg.dropout = o.dropout;
+    const std::int64_t length = gpt2 && o.block_size_option->count() == 0 ? cfg.block_size : o.gpt.block_size;
+    MB_CHECK(length >= 1 && length <= cfg.block_size, "[--block-size] {} must be in [1, {}] for {}", length,
+             cfg.block_size, o.model);
+    if (o.dataset == "synthetic") {
+      if (!gpt2) cfg.vocab_size = o.vocab_size;
+      job.train_set = std::make_unique<mb::train::SyntheticTokens>(mb::train::SyntheticTokensOptions{
+          .vocab_size = cfg.vocab_size, .block_size = length, .size = o.synthetic_size});
+      // Random tokens hold nothing to validate: no evaluation set.
+    } else {
+      const std::string path = o.data.empty() ? "../shared/data/tinyshakespeare.txt" : o.data;
+      mb::train::TextOptions text{.block_size = length,
+                                  .level = o.text_level == "byte" ? mb::train::TextLevel::Byte
+                                                                  : mb::train::TextLevel::Char};
+      auto train_text = std::make_unique<mb::train::TextDataset>(path, text);
+      text.split = mb::train::Split::Val;
+      job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+      if (!gpt2) cfg.vocab_size = train_text->vocab_size();
+      MB_CHECK(train_text->vocab_size() <= cfg.vocab_size, "[gpt2] {} has {} distinct tokens, more than GPT-2's {}",
+               path, train_text->vocab_size(), cfg.vocab_size);
+      job.train_set = std::move(train_text);
+    }
     job.model_init = [cfg] { return std::make_unique<mb::nn::GPT>(cfg); };
-    job.train_set = std::move(train_text);
   } else {
+    MB_CHECK(o.dataset == "file", "[--dataset] synthetic data is token sequences, for gpt and gpt2; {} reads "
+             "Fashion-MNIST", o.model);
     const std::string root = o.data.empty() ? mb::train::kFashionMnistRoot : o.data;
     job.train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
     job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
@@ -145,7 +176,8 @@ int run_train(Options& o) {
   mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
   const mb::train::MemoryPlan& plan = trainer.plan();
   if (!args.json) {
-    std::cout << "model " << o.model << ": " << trainer.model().num_parameters() << " parameters; "
+    std::cout << "model " << o.model << " on " << trainer.device().str() << ": "
+              << trainer.model().num_parameters() << " parameters; "
               << job.train_set->size() << " training examples; micro-batch " << plan.micro_batch_size << " x "
               << plan.accumulation_steps << " accumulation steps"
               << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
@@ -169,10 +201,13 @@ int run_train(Options& o) {
 int run_plan(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
+  args.validate();
   Job job = make_job(o);
-  mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
-  if (o.json) std::cout << trainer.plan().to_json().dump(2) << "\n";
-  else std::cout << trainer.plan().str();
+  // Planned on the meta device only: a plan for cuda needs no GPU here.
+  const mb::train::MemoryPlan plan =
+      mb::train::plan_training(job.model_init, args, *job.train_set, args.requested_device());
+  if (o.json) std::cout << plan.to_json().dump(2) << "\n";
+  else std::cout << plan.str();
   return 0;
 }
 
@@ -214,7 +249,8 @@ int main(int argc, char** argv) {
   CLI::App app{"microbatch: memory-efficient training"};
   app.require_subcommand(1);
   Options train, plan;
-  CLI::App* train_cmd = app.add_subcommand("train", "train a model (mlp, cnn on Fashion-MNIST; gpt on text)");
+  CLI::App* train_cmd =
+      app.add_subcommand("train", "train a model (mlp, cnn on Fashion-MNIST; gpt, gpt2 on text or synthetic tokens)");
   add_model_flags(*train_cmd, train);
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);

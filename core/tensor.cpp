@@ -11,6 +11,7 @@
 #include "core/rng.h"
 #include "kernels/device.h"
 #include "kernels/elementwise.h"
+#include "kernels/index.h"
 
 namespace microbatch {
 
@@ -88,11 +89,12 @@ void check_floating(const char* op, const Tensor& t) {
 
 // ---- storage -----------------------------------------------------------------------------------
 
-Storage::Storage(std::size_t bytes, Device dev) : nbytes(bytes), device(dev) {
-  data = allocator(device).allocate(bytes);
+Storage::Storage(std::size_t bytes, Device dev)
+    : nbytes(bytes), device(dev), owner(&allocator(dev)) {
+  data = owner->allocate(bytes);
 }
 
-Storage::~Storage() { allocator(device).free(data); }
+Storage::~Storage() { owner->free(data); }
 
 // ---- tensor accessors --------------------------------------------------------------------------
 
@@ -224,8 +226,6 @@ Tensor Tensor::to(Device dev) const { return to(dev, dtype()); }
 
 Tensor Tensor::to(Device dev, DType dt) const {
   if (dev == device()) return cast(*this, dt);
-  // Device-to-host copies move raw bytes: copy first, then convert on the host.
-  if (device().is_cuda() && dev.is_cpu() && dt != dtype()) return to(dev).to(dt);
   Tensor out = empty(shape(), {.dtype = dt, .device = dev});
   {
     NoGradGuard no_grad;
@@ -239,31 +239,88 @@ Tensor Tensor::to(Device dev, DType dt) const {
   return out;
 }
 
+namespace {
+
+// Copies between a CUDA device and the host move raw bytes between contiguous buffers: each side
+// converts and re-strides on its own, staging through a contiguous temporary where needed.
+
+// dst on CUDA, src on the host (already of dst's shape).
+void copy_host_to_cuda(const Tensor& dst, const Tensor& src) {
+  const int device = dst.device().index;
+  Tensor host = src;  // contiguous, in dst's dtype
+  if (host.dtype() != dst.dtype() || !host.is_contiguous()) {
+    host = empty(src.shape(), {.dtype = dst.dtype()});
+    kernels::cpu::copy(host.kview(), src.kview());
+  }
+  Tensor target = dst.is_contiguous()
+                      ? dst
+                      : empty(dst.shape(), {.dtype = dst.dtype(), .device = dst.device()});
+  kernels::cuda::memcpy_host_to_device(target.raw_data(), host.raw_data(), host.nbytes(), device);
+  if (!target.same_storage(dst)) {
+    kernels::cuda::set_device(device);
+    kernels::cuda::copy(dst.kview(), target.kview());
+  }
+}
+
+// dst on the host, src on CUDA (already of dst's shape). Waits for the device, so it raises a
+// pending index error (Note [Deferred index errors] in kernels/index.h).
+void copy_cuda_to_host(const Tensor& dst, const Tensor& src) {
+  const int device = src.device().index;
+  Tensor staged = src;  // contiguous, in src's dtype
+  if (!staged.is_contiguous()) {
+    staged = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
+    kernels::cuda::set_device(device);
+    kernels::cuda::copy(staged.kview(), src.kview());
+  }
+  Tensor host = dst.is_contiguous() && dst.dtype() == src.dtype()
+                    ? dst
+                    : empty(src.shape(), {.dtype = src.dtype()});
+  kernels::cuda::memcpy_device_to_host(host.raw_data(), staged.raw_data(), host.nbytes(), device);
+  kernels::cuda::raise_pending_index_error(device);
+  if (!host.same_storage(dst)) kernels::cpu::copy(dst.kview(), host.kview());
+}
+
+// Both on one CUDA device: one kernel (or memcpy) converts and re-strides. A source that shares
+// the destination's storage is staged first, since the kernel's threads do not run in order.
+void copy_on_cuda(const Tensor& dst, Tensor src) {
+  kernels::cuda::set_device(dst.device().index);
+  if (src.same_storage(dst)) {
+    Tensor staged = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
+    kernels::cuda::copy(staged.kview(), src.kview());
+    src = staged;
+  }
+  kernels::cuda::copy(dst.kview(), src.kview());
+}
+
+}  // namespace
+
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
   Shape b = broadcast_shapes(shape(), src.shape(), "copy_");
   MB_CHECK(b == shape(), "[copy_] cannot copy a tensor of shape {} into one of shape {}",
            shape_str(src.shape()), shape_str(shape()));
-  Tensor s = src.expand(shape());
   const Device dst_dev = device(), src_dev = src.device();
   if (dst_dev.is_meta() || src_dev.is_meta()) {
     MB_CHECK(dst_dev.is_meta(), "[copy_] cannot copy from meta (no data) to {}", dst_dev.str());
-  } else if (dst_dev.is_cpu() && src_dev.is_cpu()) {
-    kernels::cpu::copy(kview(), s.kview());
-  } else if (dst_dev.is_cuda() && src_dev.is_cpu()) {
-    MB_CHECK(is_contiguous(), "[copy_] a CUDA destination must be contiguous for now");
-    Tensor staged = s.to(dtype()).contiguous();
-    if (staged.same_storage(s) && !staged.is_contiguous()) staged = staged.clone();
-    kernels::cuda::memcpy_host_to_device(raw_data(), staged.raw_data(), nbytes(), dst_dev.index);
-  } else if (dst_dev.is_cpu() && src_dev.is_cuda()) {
-    MB_CHECK(s.is_contiguous() && s.dtype() == dtype() && is_contiguous(),
-             "[copy_] CUDA to CPU copies need contiguous tensors of one dtype for now");
-    kernels::cuda::memcpy_device_to_host(raw_data(), s.raw_data(), nbytes(), src_dev.index);
-  } else {
-    MB_CHECK(s.is_contiguous() && s.dtype() == dtype() && is_contiguous() &&
-                 dst_dev.index == src_dev.index,
-             "[copy_] CUDA to CUDA copies need contiguous tensors of one dtype on one device");
-    kernels::cuda::memcpy_device_to_device(raw_data(), s.raw_data(), nbytes(), dst_dev.index);
+    bump_version();
+    return *this;
+  }
+  if (numel() > 0) {
+    NoGradGuard no_grad;  // the expand and any staging are not part of a graph
+    const Tensor s = src.expand(shape());
+    if (dst_dev.is_cpu() && src_dev.is_cpu()) {
+      kernels::cpu::copy(kview(), s.kview());
+    } else if (src_dev.is_cpu()) {
+      copy_host_to_cuda(*this, s);
+    } else if (dst_dev.is_cpu()) {
+      copy_cuda_to_host(*this, s);
+    } else if (dst_dev.index == src_dev.index) {
+      copy_on_cuda(*this, s);
+    } else {  // between two GPUs, through host memory
+      Tensor host = empty(shape(), {.dtype = s.dtype()});
+      copy_cuda_to_host(host, s);
+      copy_host_to_cuda(*this, host);
+    }
   }
   bump_version();
   return *this;
@@ -273,12 +330,16 @@ Tensor& Tensor::zero_() { return fill_(0.0); }
 
 Tensor& Tensor::fill_(double value) {
   check_inplace(*this, "fill_");
-  if (device().is_cuda()) {
-    MB_CHECK(value == 0.0 && is_contiguous(), "[fill_] CUDA tensors support only zero_() for now");
-    kernels::cuda::memset_zero(raw_data(), nbytes(), device().index);
-  } else {
-    launch("fill_", device(), [&] { kernels::cpu::fill(kview(), value); });
-  }
+  launch(
+      "fill_", device(), [&] { kernels::cpu::fill(kview(), value); },
+      [&] {
+        if (value == 0.0 && !std::signbit(value) && is_contiguous()) {
+          // +0 is all-zero bits in every dtype.
+          kernels::cuda::memset_zero(raw_data(), nbytes(), device().index);
+        } else {
+          kernels::cuda::fill(kview(), value);
+        }
+      });
   bump_version();
   return *this;
 }
@@ -335,8 +396,11 @@ Tensor arange(double start, double end, double step, TensorOptions options) {
 }
 
 namespace {
+using RandomKernel = void (*)(const kernels::StridedView&, kernels::PhiloxArgs);
+
+// Both kernels give the same values for the same Philox arguments (core/rng.h).
 Tensor random_tensor(const Shape& shape, TensorOptions options, int values_per_block,
-                     void (*kernel)(const kernels::StridedView&, kernels::PhiloxArgs)) {
+                     RandomKernel cpu_kernel, RandomKernel cuda_kernel) {
   MB_CHECK(is_floating(options.dtype), "[rand] expected a floating dtype, got {}",
            dtype_name(options.dtype));
   const bool rg = options.requires_grad;
@@ -346,24 +410,20 @@ Tensor random_tensor(const Shape& shape, TensorOptions options, int values_per_b
   GeneratorState st = default_generator().state();
   const std::uint64_t offset = default_generator().reserve((n + values_per_block - 1) / values_per_block);
   kernels::PhiloxArgs args{st.seed, offset};
-  if (t.device().is_cuda()) {
-    Tensor host = empty(shape, {.dtype = options.dtype});
-    kernel(host.kview(), args);
-    t.copy_(host);
-  } else {
-    launch("rand", t.device(), [&] { kernel(t.kview(), args); });
-  }
+  launch(
+      "rand", t.device(), [&] { cpu_kernel(t.kview(), args); },
+      [&] { cuda_kernel(t.kview(), args); });
   if (rg) t.requires_grad_(true);
   return t;
 }
 }  // namespace
 
 Tensor rand(const Shape& shape, TensorOptions options) {
-  return random_tensor(shape, options, 4, &kernels::cpu::rand_uniform);
+  return random_tensor(shape, options, 4, &kernels::cpu::rand_uniform, &kernels::cuda::rand_uniform);
 }
 
 Tensor randn(const Shape& shape, TensorOptions options) {
-  return random_tensor(shape, options, 2, &kernels::cpu::rand_normal);
+  return random_tensor(shape, options, 2, &kernels::cpu::rand_normal, &kernels::cuda::rand_normal);
 }
 
 // ---- printing ----------------------------------------------------------------------------------

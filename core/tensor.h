@@ -37,6 +37,9 @@ struct Storage {
   std::size_t nbytes = 0;
   Device device;
   std::int64_t version = 0;
+  // The allocator `data` came from and returns to: meta has one per backend it mirrors, and the
+  // mirrored backend may change while the storage lives.
+  Allocator* owner = nullptr;
 };
 
 class Node;

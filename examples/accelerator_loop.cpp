@@ -10,10 +10,12 @@ namespace microbatch::examples {
 
 std::vector<double> train_with_accelerator(nn::Model& model, const train::Dataset& data,
                                            ExampleConfig config) {
+  train::Accelerator accelerator({.gradient_accumulation_steps = config.gradient_accumulation_steps,
+                                  .device = config.device});
+  accelerator.prepare_model(model);  // before the arenas are built: they are made where the parameters are
   optim::ParamStore store(model);
   optim::AdamW adamw(store, {.lr = config.learning_rate});
   optim::LRScheduler constant(adamw, {.type = optim::ScheduleType::Constant});
-  train::Accelerator accelerator({.gradient_accumulation_steps = config.gradient_accumulation_steps});
   auto optimizer = accelerator.prepare(adamw);
   auto scheduler = accelerator.prepare(constant);
   train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
@@ -22,7 +24,7 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
   auto batches = accelerator.prepare([&]() -> std::optional<train::Batch> {
     return loader.next();  // an epoch's end closes the window; the next call starts a new epoch
   });
-  std::vector<double> losses;
+  std::vector<Tensor> losses;  // () each, on the device: read once, at the end
   adamw.zero_grad();
   while (adamw.step_count() < config.max_steps) {
     std::optional<train::WindowBatch> batch = batches.next();
@@ -36,9 +38,11 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
     optimizer.step();
     scheduler.step();
     optimizer.zero_grad();
-    losses.push_back(out.loss.item());
+    losses.push_back(out.loss.detach());
   }
-  return losses;
+  std::vector<double> values;
+  for (const Tensor& loss : losses) values.push_back(loss.item());
+  return values;
 }
 
 }  // namespace microbatch::examples
@@ -51,8 +55,9 @@ int main() {
   manual_seed(0);
   nn::MLP model({.in_features = 784, .hidden = {128}, .num_classes = 10});
   auto data = examples::example_dataset();
-  std::vector<double> losses = examples::train_with_accelerator(model, *data, {});
-  std::cout << "accelerator: " << losses.size() << " micro-batches, first loss " << losses.front()
-            << ", last loss " << losses.back() << "\n";
+  const Device device = cuda_available() ? cuda_device(0) : kCPU;
+  std::vector<double> losses = examples::train_with_accelerator(model, *data, {.device = device});
+  std::cout << "accelerator on " << device.str() << ": " << losses.size() << " micro-batches, first loss "
+            << losses.front() << ", last loss " << losses.back() << "\n";
 }
 #endif

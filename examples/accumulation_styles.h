@@ -16,10 +16,12 @@ struct ExampleConfig {
   std::int64_t max_steps = 20;                   // optimizer steps
   double learning_rate = 1e-3;
   std::uint64_t seed = 42;
+  Device device = kCPU;  // where the model, its arenas and each micro-batch live
 };
 
 /// (1) The raw loop: count the window's items, then forward and backward each micro-batch with
-/// its weight n_i / sum n, and step once per window. Returns the loss of each micro-batch.
+/// its weight n_i / sum n, and step once per window. Moves the model to config.device first.
+/// Returns the loss of each micro-batch (read from the device once, at the end).
 std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data, ExampleConfig config);
 
 /// (2) The Accelerator: the same loop with accumulate() scopes and wrapped optimizer/scheduler.

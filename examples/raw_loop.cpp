@@ -9,11 +9,12 @@
 namespace microbatch::examples {
 
 std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data, ExampleConfig config) {
+  model.to(config.device);  // before the arenas are built: they are made where the parameters are
   optim::ParamStore store(model);
   optim::AdamW optimizer(store, {.lr = config.learning_rate});
   train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
                                   .seed = config.seed});
-  std::vector<double> losses;
+  std::vector<Tensor> losses;  // () each, on the device: reading one would make the host wait
   std::int64_t steps = 0, epoch = 0;
   optimizer.zero_grad();
   while (steps < config.max_steps) {
@@ -30,17 +31,20 @@ std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
       window_items += batch->num_items;
       window.push_back(std::move(*batch));
     }
-    for (const train::Batch& batch : window) {
+    for (const train::Batch& host_batch : window) {
+      const train::Batch batch = host_batch.to(config.device);  // collated on the host, one copy
       nn::ModelOutput out = model(batch.inputs, batch.labels);
       GradWeightGuard weight(static_cast<double>(batch.num_items) / static_cast<double>(window_items));
       out.loss.backward();
-      losses.push_back(out.loss.item());
+      losses.push_back(out.loss.detach());
     }
     optimizer.step();
     optimizer.zero_grad();
     ++steps;
   }
-  return losses;
+  std::vector<double> values;
+  for (const Tensor& loss : losses) values.push_back(loss.item());
+  return values;
 }
 
 }  // namespace microbatch::examples
@@ -53,8 +57,9 @@ int main() {
   manual_seed(0);
   nn::MLP model({.in_features = 784, .hidden = {128}, .num_classes = 10});
   auto data = examples::example_dataset();
-  std::vector<double> losses = examples::train_raw_loop(model, *data, {});
-  std::cout << "raw loop: " << losses.size() << " micro-batches, first loss " << losses.front()
-            << ", last loss " << losses.back() << "\n";
+  const Device device = cuda_available() ? cuda_device(0) : kCPU;
+  std::vector<double> losses = examples::train_raw_loop(model, *data, {.device = device});
+  std::cout << "raw loop on " << device.str() << ": " << losses.size() << " micro-batches, first loss "
+            << losses.front() << ", last loss " << losses.back() << "\n";
 }
 #endif

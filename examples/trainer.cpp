@@ -1,7 +1,8 @@
 // (3) The Trainer, as the course shows it: per_device_train_batch_size = 1 with
 // gradient_accumulation_steps = 4, evaluation each epoch with accuracy and F1. The same run with a
 // memory budget instead of a fixed micro-batch: `.per_device_train_batch_size = kAutoBatch,
-// .train_batch_size = 4, .memory_budget = ...` lets the planner choose the split.
+// .train_batch_size = 4, .memory_budget = ...` lets the planner choose the split. As Hugging Face's
+// Trainer, it trains on cuda:0 when a CUDA device is present (`.use_cpu = true` keeps it on the CPU).
 #include <iostream>
 
 #include "examples/example_data.h"
@@ -44,6 +45,6 @@ int main() {
   train::Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {128}}); }, args,
                          *train_set, eval_set.get(), train::classification_metrics);
   train::TrainOutput out = trainer.train();
-  std::cout << "trainer: " << out.global_step << " steps; eval accuracy " << out.metrics["eval_accuracy"]
-            << ", macro F1 " << out.metrics["eval_f1"] << "\n";
+  std::cout << "trainer on " << trainer.device().str() << ": " << out.global_step << " steps; eval accuracy "
+            << out.metrics["eval_accuracy"] << ", macro F1 " << out.metrics["eval_f1"] << "\n";
 }

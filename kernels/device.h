@@ -26,6 +26,9 @@ void memcpy_device_to_device(void* dst, const void* src, std::size_t bytes, int 
 void memset_zero(void* dst, std::size_t bytes, int device);
 /// Waits for all work on the device.
 void synchronize(int device);
+/// synchronize, then raises an index error that a CUDA kernel recorded since the last check
+/// (Note [Deferred index errors] in kernels/index.h). Host code that waits for a device calls this.
+void synchronize_checked(int device);
 /// An identity of the device's current stream, for the allocator's stream tags (0: default).
 std::uintptr_t current_stream_id(int device);
 /// Bytes free and in total on the device, as the driver reports them.

@@ -43,4 +43,27 @@ void rand_normal(const StridedView& out, PhiloxArgs philox);
 void dropout_mask(const StridedView& out, PhiloxArgs philox, double p);
 }  // namespace cpu
 
+// The CUDA kernels: the same contracts as cpu:: above, run on the current device's stream. The
+// random fills give the CPU's bits for the same PhiloxArgs (Note [Portable normals]).
+namespace cuda {
+void unary(UnaryOp op, const StridedView& out, const StridedView& in);
+void binary(BinaryOp op, const StridedView& out, const StridedView& a, const StridedView& b);
+void where(const StridedView& out, const StridedView& cond, const StridedView& a,
+           const StridedView& b);
+void copy(const StridedView& out, const StridedView& in);
+void fill(const StridedView& out, double value);
+void rand_uniform(const StridedView& out, PhiloxArgs philox);
+void rand_normal(const StridedView& out, PhiloxArgs philox);
+void dropout_mask(const StridedView& out, PhiloxArgs philox, double p);
+}  // namespace cuda
+
+// The gradient sink on the device (kernels/cuda/accumulate.cu).
+struct GradStatsBuffer;  // kernels/optim.h
+namespace cuda {
+/// dst += weight * src, as cpu::accumulate. With stats (device memory, or nullptr), the same pass
+/// also reduces the updated dst into stats->result (Note [One-launch reduction] in kernels/optim.h).
+void accumulate(const StridedView& dst, const StridedView& src, double weight,
+                GradStatsBuffer* stats = nullptr);
+}  // namespace cuda
+
 }  // namespace microbatch::kernels

@@ -3,12 +3,51 @@
 // `grad += w * x^T dy` straight into the gradient arena this way, with alpha = w).
 #pragma once
 
+#include <cstdint>
+
 #include "kernels/view.h"
 
-namespace microbatch::kernels::cpu {
+namespace microbatch::kernels {
 
+/// How a column-major BLAS sees one row-major matrix view (rows, cols) with element strides
+/// (row_stride, col_stride): as its transpose stored column-major (`row_major`: col_stride is 1,
+/// ld = row_stride) or as itself (ld = col_stride). A dim of size 1 lets its stride be anything.
+/// `ok` is false when no leading dimension is valid for the BLAS (ld >= the unit-stride extent:
+/// zero or overlapping strides); such an operand needs a contiguous copy first.
+struct BlasMatrix {
+  bool ok = false;
+  bool row_major = true;
+  std::int64_t ld = 1;
+};
+
+inline BlasMatrix blas_matrix(std::int64_t rows, std::int64_t cols, std::int64_t row_stride,
+                              std::int64_t col_stride) {
+  const std::int64_t min_row_ld = cols > 1 ? cols : 1, min_col_ld = rows > 1 ? rows : 1;
+  if (col_stride == 1 || cols <= 1) {
+    if (rows <= 1) return {true, true, min_row_ld};
+    if (row_stride >= min_row_ld) return {true, true, row_stride};
+  }
+  if (row_stride == 1 || rows <= 1) {
+    if (cols <= 1) return {true, false, min_col_ld};
+    if (col_stride >= min_col_ld) return {true, false, col_stride};
+  }
+  return {};
+}
+
+namespace cpu {
 /// a (B, M, K), b (B, K, N), c (B, M, N); one of each matrix's two strides must be 1, c's last.
 /// A batch stride of 0 broadcasts. f32 and f64 (16-bit inputs are converted by the op).
-void gemm(const StridedView& a, const StridedView& b, const StridedView& c, double alpha, double beta);
+void gemm(const StridedView& a, const StridedView& b, const StridedView& c, double alpha,
+          double beta);
+}  // namespace cpu
 
-}  // namespace microbatch::kernels::cpu
+namespace cuda {
+/// The same product through cuBLAS (Note [Row-major GEMM on cuBLAS] in kernels/cuda/gemm.cu):
+/// each matrix must pass blas_matrix, c row-major; a batch of size 1 or stride 0 broadcasts a or b.
+/// a and b share a dtype: f64, f32 (no TF32), or f16 / bf16 multiplied with f32 accumulation; c has
+/// their dtype, or f32 for 16-bit a and b. alpha and beta are applied in the accumulation type.
+void gemm(const StridedView& a, const StridedView& b, const StridedView& c, double alpha,
+          double beta);
+}  // namespace cuda
+
+}  // namespace microbatch::kernels

@@ -67,4 +67,47 @@ void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
 
 }  // namespace cpu
 
+/// Row chunks of the CUDA layer-norm backward's dweight / dbias partial sums (Note [Deterministic
+/// parameter sums] in kernels/cuda/nn.cu): at least 32 rows each, at most 128 chunks, 0 for no
+/// rows. The op sizes the backward's workspace with it.
+inline std::int64_t layer_norm_chunks(std::int64_t rows) {
+  const std::int64_t chunks = (rows + 31) / 32;
+  return chunks < 128 ? chunks : 128;
+}
+
+namespace cuda {
+
+// The contracts of the cpu:: kernels above, with these differences. A row is owned by one warp
+// up to 1024 columns, by one block beyond; its sums run in the math dtype over a tree of the row's
+// threads (no f64 chunk sums for f32). None of them synchronises the host.
+
+void softmax_forward(SoftmaxKind kind, const StridedView& out, const StridedView& in,
+                     std::int64_t cols);
+void softmax_backward(SoftmaxKind kind, const StridedView& dx, const StridedView& y,
+                      const StridedView& dy, std::int64_t cols);
+
+/// A target outside [0, C) that is not ignore_index gives a zero row, like an ignored one, instead
+/// of an error: the op reports it through check_index_range (kernels/index.h) at the next host
+/// copy.
+void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
+                           const StridedView& logits, const StridedView& target,
+                           CrossEntropyArgs args);
+/// Out-of-range targets give a zero row, as in the forward.
+void cross_entropy_backward(const StridedView& dlogits, const StridedView& logits,
+                            const StridedView& stats, const StridedView& target,
+                            const StridedView& g, CrossEntropyArgs args);
+
+void layer_norm_forward(const StridedView& y, const StridedView& mean, const StridedView& rstd,
+                        const StridedView& x, const StridedView& weight, const StridedView& bias,
+                        double eps);
+/// One argument more than the CPU's: `workspace` (2, layer_norm_chunks(rows), cols), contiguous in
+/// the math dtype, holds the per-chunk partial sums of dweight and dbias; the op allocates it (so
+/// that the meta device sees it) whenever dweight or dbias is wanted; it may be empty otherwise.
+void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
+                         const StridedView& dbias, const StridedView& dy, const StridedView& x,
+                         const StridedView& mean, const StridedView& rstd,
+                         const StridedView& weight, const StridedView& workspace);
+
+}  // namespace cuda
+
 }  // namespace microbatch::kernels

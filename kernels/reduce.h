@@ -17,4 +17,10 @@ namespace cpu {
 void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner);
 }  // namespace cpu
 
+namespace cuda {
+/// As cpu::reduce_rows, on the current device's stream. Each row is reduced by a thread, a warp
+/// or a block (by its length) in a fixed tree, so results do not change from run to run.
+void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner);
+}  // namespace cuda
+
 }  // namespace microbatch::kernels

@@ -5,27 +5,47 @@
 
 namespace microbatch::nn {
 
+// Values are drawn on the CPU whatever the tensor's device, so that a model is the same on every
+// device; a meta tensor has no values to set.
 void uniform_(Tensor& t, double lo, double hi) {
+  if (t.device().is_meta()) return;
   NoGradGuard no_grad;
   Tensor u = rand(t.shape(), {.dtype = DType::f64});
   t.copy_(u * (hi - lo) + lo);
 }
 
 void normal_(Tensor& t, double mean, double std) {
+  if (t.device().is_meta()) return;
   NoGradGuard no_grad;
   Tensor n = randn(t.shape(), {.dtype = DType::f64});
   t.copy_(n * std + mean);
 }
 
+namespace {
+// An uninitialized parameter on the default device (DeviceScope).
+Tensor parameter(const Shape& shape, DType dtype) {
+  return empty(shape, {.dtype = dtype, .device = default_device()});
+}
+
+// A parameter filled with `value` on the default device: filled on the CPU, then copied, since
+// devices other than the CPU need not fill with anything but zero.
+Tensor filled_parameter(const Shape& shape, double value, DType dtype) {
+  const Device device = default_device();
+  if (device.is_meta()) return empty(shape, {.dtype = dtype, .device = device});
+  Tensor t = full(shape, value, {.dtype = dtype});
+  return device.is_cpu() ? t : t.to(device);
+}
+}  // namespace
+
 Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options) {
   MB_CHECK(in_features > 0 && out_features > 0, "[Linear] sizes must be positive, got {} -> {}",
            in_features, out_features);
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-  weight = empty({out_features, in_features}, {.dtype = options.dtype});
+  weight = parameter({out_features, in_features}, options.dtype);
   uniform_(weight, -bound, bound);
   register_parameter("weight", &weight);
   if (options.bias) {
-    bias = empty({out_features}, {.dtype = options.dtype});
+    bias = parameter({out_features}, options.dtype);
     uniform_(bias, -bound, bound);
     register_parameter("bias", &bias);
   }
@@ -36,7 +56,7 @@ Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
 Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, DType dtype) {
   MB_CHECK(num_embeddings > 0 && dim > 0, "[Embedding] sizes must be positive, got ({}, {})",
            num_embeddings, dim);
-  weight = empty({num_embeddings, dim}, {.dtype = dtype});
+  weight = parameter({num_embeddings, dim}, dtype);
   normal_(weight, 0.0, 1.0);
   register_parameter("weight", &weight);
 }
@@ -44,8 +64,8 @@ Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, DType dtype)
 Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
 
 LayerNorm::LayerNorm(std::int64_t dim, double eps, DType dtype) : eps(eps) {
-  weight = ones({dim}, {.dtype = dtype});
-  bias = zeros({dim}, {.dtype = dtype});
+  weight = filled_parameter({dim}, 1.0, dtype);
+  bias = filled_parameter({dim}, 0.0, dtype);
   register_parameter("weight", &weight);
   register_parameter("bias", &bias);
 }
@@ -63,11 +83,11 @@ Conv2d::Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t
            "[Conv2d] sizes must be positive, got in {}, out {}, kernel {}", in_channels, out_channels,
            kernel_size);
   const double bound = 1.0 / std::sqrt(static_cast<double>(in_channels * kernel_size * kernel_size));
-  weight = empty({out_channels, in_channels, kernel_size, kernel_size});
+  weight = parameter({out_channels, in_channels, kernel_size, kernel_size}, DType::f32);
   uniform_(weight, -bound, bound);
   register_parameter("weight", &weight);
   if (options.bias) {
-    bias = empty({out_channels});
+    bias = parameter({out_channels}, DType::f32);
     uniform_(bias, -bound, bound);
     register_parameter("bias", &bias);
   }

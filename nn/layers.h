@@ -1,4 +1,5 @@
-// Layers, initialized as PyTorch initializes them by default.
+// Layers, initialized as PyTorch initializes them by default, with their parameters on the
+// default device (DeviceScope in nn/module.h).
 #pragma once
 
 #include <initializer_list>
@@ -9,7 +10,8 @@
 
 namespace microbatch::nn {
 
-/// In place, not recorded: uniform in [lo, hi) / normal(mean, std), from the default generator.
+/// In place, not recorded: uniform in [lo, hi) / normal(mean, std), from the default generator
+/// (drawn on the CPU for any device; a meta tensor is left alone and draws nothing).
 void uniform_(Tensor& t, double lo, double hi);
 void normal_(Tensor& t, double mean, double std);
 

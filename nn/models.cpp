@@ -73,6 +73,10 @@ ModelOutput CNN::forward(const Tensor& inputs, const Tensor& labels) {
 
 // ---- GPT ---------------------------------------------------------------------------------------
 
+GPTConfig GPTConfig::gpt2_small() {
+  return {.vocab_size = 50257, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
+}
+
 CausalSelfAttention::CausalSelfAttention(const GPTConfig& config)
     : n_head(config.n_head), dropout(config.dropout) {
   MB_CHECK(config.n_embd % config.n_head == 0, "[GPT] n_embd {} is not divisible by n_head {}",
@@ -87,8 +91,9 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
   auto head = [&](int i) {          // (B, H, T, D)
     return qkv.slice(2, i * C, (i + 1) * C).reshape({B, T, n_head, D}).transpose(1, 2);
   };
-  Tensor y = scaled_dot_product_attention(head(0), head(1), head(2),
-                                          {.causal = true, .dropout_p = is_training() ? dropout : 0.0});
+  Tensor y = scaled_dot_product_attention(
+      head(0), head(1), head(2),
+      {.causal = true, .dropout_p = is_training() ? dropout : 0.0, .scale = std::nullopt});  // 1 / sqrt(D)
   y = y.transpose(1, 2).reshape({B, T, C});
   return c_proj->forward(y);
 }

@@ -78,6 +78,10 @@ struct GPTConfig {
   double dropout = 0.0;
   bool gradient_checkpointing = false;  // recompute each block in backward
   std::int64_t ignore_index = -100;
+
+  /// GPT-2 small (124M): the 50257-token vocabulary, 1024 positions, 12 layers of 12 heads, 768 wide,
+  /// the head tied to the token embedding: 124,439,808 parameters.
+  static GPTConfig gpt2_small();
 };
 
 class CausalSelfAttention : public Module {

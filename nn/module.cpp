@@ -4,6 +4,15 @@
 
 namespace microbatch::nn {
 
+namespace {
+thread_local Device t_default_device = kCPU;
+}  // namespace
+
+Device default_device() { return t_default_device; }
+
+DeviceScope::DeviceScope(Device device) : saved_(t_default_device) { t_default_device = device; }
+DeviceScope::~DeviceScope() { t_default_device = saved_; }
+
 void Module::register_parameter(const std::string& name, Tensor* slot) {
   MB_CHECK(slot->defined(), "[register_parameter] '{}' is undefined", name);
   if (!slot->requires_grad()) slot->requires_grad_(true);
@@ -111,6 +120,10 @@ void move_slots(std::vector<std::pair<std::string, Tensor*>>& slots, Device devi
     }
     TensorImpl* before = slot->impl();
     const DType dt = dtype && is_floating(slot->dtype()) ? *dtype : slot->dtype();
+    if (slot->device() == device && slot->dtype() == dt) {  // already there: keep it (and its views)
+      done.emplace_back(before, *slot);
+      continue;
+    }
     Tensor moved;
     {
       NoGradGuard no_grad;

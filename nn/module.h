@@ -16,6 +16,24 @@ namespace microbatch::nn {
 using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 using StateDict = std::map<std::string, Tensor>;
 
+/// The device that layers create their parameters on: the CPU, unless a DeviceScope says otherwise.
+Device default_device();
+
+/// Layers built in this scope (on this thread) create their parameters on `device`, as under
+/// torch.device(...). On meta a model is shapes only: no values, no initialization draws, no host
+/// memory, which is how the planner builds a GPT-2 in no time. Elsewhere the values are drawn on
+/// the CPU and copied, so a model is the same whichever device it is built on.
+class DeviceScope {
+ public:
+  explicit DeviceScope(Device device);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  Device saved_;
+};
+
 enum class LoadMode { Strict, NonStrict };
 
 class Module {
@@ -41,7 +59,8 @@ class Module {
   StateDict state_dict() const;
   /// Copies values in (shapes must match; dtype is converted). Strict: names must match exactly.
   void load_state_dict(const StateDict& state, LoadMode mode = LoadMode::Strict);
-  /// Moves (or casts) every parameter and buffer; parameters stay leaves requiring grad.
+  /// Moves (or casts) every parameter and buffer; parameters stay leaves requiring grad. Tensors
+  /// already on that device (with that dtype) are left as they are.
   void to(Device device);
   void to(DType dtype);
   void zero_grad();

@@ -37,75 +37,61 @@ void check_config(const LossScalerConfig& c, const char* where) {
 
 DynamicLossScaler::DynamicLossScaler(LossScalerConfig config) : config_(config) {
   check_config(config_, "DynamicLossScaler");
-  scale_ = static_cast<float>(config_.init_scale);
+  state_.scale = static_cast<float>(config_.init_scale);
 }
 
-double DynamicLossScaler::scale() const { return scale_; }
+double DynamicLossScaler::scale() const { return state_.scale; }
 
 float DynamicLossScaler::inv_scale() const {
-  return static_cast<float>(1.0 / static_cast<double>(scale_));
+  return static_cast<float>(1.0 / static_cast<double>(state_.scale));
 }
 
-std::int64_t DynamicLossScaler::growth_tracker() const { return growth_tracker_; }
+std::int64_t DynamicLossScaler::growth_tracker() const { return state_.growth_tracker; }
 std::int64_t DynamicLossScaler::skipped_steps() const { return skipped_steps_; }
-std::int64_t DynamicLossScaler::consecutive_overflows() const { return consecutive_overflows_; }
+std::int64_t DynamicLossScaler::consecutive_overflows() const { return state_.consecutive_overflows; }
 
-bool DynamicLossScaler::at_floor() const {
-  return config_.min_loss_scale > 0.0 && scale_ <= static_cast<float>(config_.min_loss_scale);
+kernels::LossScaleRule DynamicLossScaler::rule() const {
+  return {.growth_factor = config_.growth_factor,
+          .backoff_factor = config_.backoff_factor,
+          .growth_interval = config_.growth_interval,
+          .hysteresis = config_.hysteresis,
+          .min_loss_scale = config_.min_loss_scale};
 }
 
 bool DynamicLossScaler::update(bool found_inf) {
-  if (!found_inf) {
-    consecutive_overflows_ = 0;
-    overflows_at_floor_ = 0;
-    // torch's _amp_update_scale_: grow once growth_interval finite steps in a row have passed, but
-    // only if the grown f32 scale is finite; the tracker restarts either way.
-    if (++growth_tracker_ == config_.growth_interval) {
-      const float grown = static_cast<float>(static_cast<double>(scale_) * config_.growth_factor);
-      if (std::isfinite(grown)) scale_ = grown;
-      growth_tracker_ = 0;
-    }
-    return false;
-  }
-
-  // An overflow: the step is skipped and the growth window restarts (PyTorch, and DeepSpeed's
+  // An overflow skips the step and restarts the growth window (PyTorch, and DeepSpeed's
   // last_overflow_iter), whether or not hysteresis lets the scale stay.
+  const bool was_at_floor = kernels::loss_scale_at_floor(state_, rule());  // ran at the smallest scale
+  kernels::apply_loss_scale_update(state_, found_inf, rule());
+  if (!found_inf) return false;
   ++skipped_steps_;
-  ++consecutive_overflows_;
-  growth_tracker_ = 0;
-  const bool was_at_floor = at_floor();  // this step ran with the smallest scale allowed
-  if (was_at_floor) ++overflows_at_floor_;
   // Hysteresis h: the first h-1 consecutive overflows are tolerated; the h-th and every further
   // consecutive one back off (DeepSpeed with consecutive_hysteresis).
-  if (consecutive_overflows_ >= config_.hysteresis) {
-    float next = static_cast<float>(static_cast<double>(scale_) * config_.backoff_factor);
-    if (config_.min_loss_scale > 0.0) {
-      const float floor = static_cast<float>(config_.min_loss_scale);
-      if (next < floor) next = floor;
-      if (next <= floor && !warned_floor_) {
-        warned_floor_ = true;
-        std::fprintf(stderr,
-                     "[loss_scaler] warning: loss scale reached its floor min_loss_scale = %g; "
-                     "further overflows skip steps without lowering it\n",
-                     static_cast<double>(floor));
-      }
-    } else if (next == 0.0f && !warned_floor_) {
-      // No floor (PyTorch): say so once rather than collapse silently.
+  const bool backed_off = state_.consecutive_overflows >= config_.hysteresis;
+  if (backed_off && config_.min_loss_scale > 0.0) {
+    const float floor = static_cast<float>(config_.min_loss_scale);
+    if (state_.scale <= floor && !warned_floor_) {
       warned_floor_ = true;
       std::fprintf(stderr,
-                   "[loss_scaler] warning: loss scale underflowed to 0 after repeated overflows; "
-                   "gradients are not finite at any scale (set min_loss_scale to stop the run)\n");
+                   "[loss_scaler] warning: loss scale reached its floor min_loss_scale = %g; "
+                   "further overflows skip steps without lowering it\n",
+                   static_cast<double>(floor));
     }
-    scale_ = next;
+  } else if (backed_off && state_.scale == 0.0f && !warned_floor_) {
+    // No floor (PyTorch): say so once rather than collapse silently.
+    warned_floor_ = true;
+    std::fprintf(stderr,
+                 "[loss_scaler] warning: loss scale underflowed to 0 after repeated overflows; "
+                 "gradients are not finite at any scale (set min_loss_scale to stop the run)\n");
   }
   if (was_at_floor && config_.max_overflows_at_floor > 0 &&
-      overflows_at_floor_ >= config_.max_overflows_at_floor) {
+      state_.overflows_at_floor >= config_.max_overflows_at_floor) {
     throw LossScaleFloorError(fmt::format(
         "[loss_scaler] {} consecutive overflowing steps at the loss-scale floor (scale {}, "
         "min_loss_scale {}, max_overflows_at_floor {}): gradients stay non-finite at the "
         "smallest allowed scale. The weights are those of the last good step; restore it and "
         "lower the learning rate, or train in bf16",
-        overflows_at_floor_, static_cast<double>(scale_), config_.min_loss_scale,
+        state_.overflows_at_floor, static_cast<double>(state_.scale), config_.min_loss_scale,
         config_.max_overflows_at_floor));
   }
   return true;
@@ -114,17 +100,17 @@ bool DynamicLossScaler::update(bool found_inf) {
 nlohmann::json DynamicLossScaler::state_dict() const {
   // f32 -> f64 is exact and the JSON writer prints doubles round-trip, so scale reloads exactly.
   return {
-      {"scale", static_cast<double>(scale_)},
+      {"scale", static_cast<double>(state_.scale)},
       {"growth_factor", config_.growth_factor},
       {"backoff_factor", config_.backoff_factor},
       {"growth_interval", config_.growth_interval},
       {"hysteresis", config_.hysteresis},
       {"min_loss_scale", config_.min_loss_scale},
       {"max_overflows_at_floor", config_.max_overflows_at_floor},
-      {"growth_tracker", growth_tracker_},
+      {"growth_tracker", state_.growth_tracker},
       {"skipped_steps", skipped_steps_},
-      {"consecutive_overflows", consecutive_overflows_},
-      {"overflows_at_floor", overflows_at_floor_},
+      {"consecutive_overflows", state_.consecutive_overflows},
+      {"overflows_at_floor", state_.overflows_at_floor},
   };
 }
 
@@ -164,11 +150,11 @@ void DynamicLossScaler::load_state_dict(const nlohmann::json& state) {
            "growth_interval {}", tracker, c.growth_interval);
 
   config_ = c;
-  scale_ = static_cast<float>(scale);
-  growth_tracker_ = tracker;
+  state_.scale = static_cast<float>(scale);
+  state_.growth_tracker = tracker;
   skipped_steps_ = get_int("skipped_steps");
-  consecutive_overflows_ = get_int("consecutive_overflows");
-  overflows_at_floor_ = get_int("overflows_at_floor");
+  state_.consecutive_overflows = get_int("consecutive_overflows");
+  state_.overflows_at_floor = get_int("overflows_at_floor");
 }
 
 }  // namespace microbatch::optim

@@ -1,7 +1,9 @@
 // Dynamic loss scaling for fp16 mixed precision: torch.amp.GradScaler's update rule and defaults,
 // plus DeepSpeed's hysteresis and loss-scale floor as options (REFERENCE.md "Loss scaling").
 // The scale lives in f32 as PyTorch keeps it, so inv_scale and every backoff/growth round the
-// same way; each update computes in f64 and rounds once to f32, like torch's kernel.
+// same way; each update computes in f64 and rounds once to f32, like torch's kernel. The rule is
+// kernels::apply_loss_scale_update, which a CUDA boundary step also runs on the device (Note
+// [Boundary step on the device] in optim/boundary_step.h); this class is then the host's copy.
 //
 // Note [Loss-scale floor]: PyTorch has no floor, and a run whose gradients never become finite
 // again backs its scale off to 0. With min_loss_scale set, a backoff never goes below the floor;
@@ -15,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kernels/loss_scale.h"
 
 namespace microbatch::optim {
 
@@ -51,16 +54,14 @@ class DynamicLossScaler {
   void load_state_dict(const nlohmann::json& state);
 
   const LossScalerConfig& config() const { return config_; }
+  /// The state the update rule works on, and the rule's constants (what a device copy needs).
+  const kernels::LossScaleState& state() const { return state_; }
+  kernels::LossScaleRule rule() const;
 
  private:
-  bool at_floor() const;
-
   LossScalerConfig config_;
-  float scale_;                          // the f32 scale, as torch's _scale tensor
-  std::int64_t growth_tracker_ = 0;      // finite steps since the last growth or overflow
+  kernels::LossScaleState state_;           // scale, growth tracker, overflow counts
   std::int64_t skipped_steps_ = 0;
-  std::int64_t consecutive_overflows_ = 0;  // reset by any finite step (hysteresis counts these)
-  std::int64_t overflows_at_floor_ = 0;     // consecutive overflowing steps taken at the floor
   bool warned_floor_ = false;               // diagnostics only; not part of the state
 };
 

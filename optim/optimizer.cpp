@@ -1,5 +1,6 @@
 #include "optim/optimizer.h"
 
+#include "core/ops/dispatch.h"
 #include "kernels/optim.h"
 
 namespace microbatch::optim {
@@ -7,11 +8,6 @@ namespace microbatch::optim {
 namespace {
 DType state_dtype(const ParamStore& store) {
   return store.master().dtype() == DType::f64 ? DType::f64 : DType::f32;
-}
-
-void check_cpu(const ParamStore& store, const char* op) {
-  MB_CHECK(store.weights().device().is_cpu(), "[{}] has no {} kernel in this build yet", op,
-           store.weights().device().str());
 }
 
 Tensor state_tensor(const std::map<std::string, Tensor>& state, const std::string& name, const Tensor& like,
@@ -38,24 +34,52 @@ namespace {
 kernels::StridedView working_copy(const ParamStore& store) {
   return store.has_master() ? store.weights().kview() : kernels::StridedView{};
 }
+
+// A gated pass on the CPU reads the gate here, as the CUDA kernels read it on the device.
+bool apply_gate_on_host(const kernels::DeviceGate& gate, double* grad_scale) {
+  if (gate.stats == nullptr) return true;
+  if (gate.stats->non_finite != 0) return false;
+  *grad_scale *= kernels::gated_grad_scale(gate.stats->sum_sq, gate.loss_scale, gate.max_grad_norm);
+  return true;
+}
 }  // namespace
 
+void AdamW::run(kernels::AdamWArgs args, const kernels::DeviceGate& gate) {
+  const Tensor& master = store_.master();
+  launch("AdamW", master.device(),
+         [&] {
+           if (!apply_gate_on_host(gate, &args.grad_scale)) return;
+           kernels::cpu::adamw(master.kview(), store_.grads().kview(), exp_avg_.kview(), exp_avg_sq_.kview(), args,
+                               working_copy(store_));
+         },
+         [&] {
+           kernels::cuda::adamw(master.kview(), store_.grads().kview(), exp_avg_.kview(), exp_avg_sq_.kview(), args,
+                                working_copy(store_), gate);
+         });
+  master.bump_version();
+  store_.weights().bump_version();
+}
+
+kernels::AdamWArgs AdamW::step_args(std::int64_t step, double grad_scale) const {
+  return {.lr = config_.lr,
+          .beta1 = config_.beta1,
+          .beta2 = config_.beta2,
+          .eps = config_.eps,
+          .weight_decay = config_.weight_decay,
+          .step = step,
+          .grad_scale = grad_scale,
+          .decay_end = store_.decay_numel()};
+}
+
 void AdamW::step(StepOptions options) {
-  check_cpu(store_, "AdamW");
   if (options.found_inf) return;
   ++step_count_;
-  kernels::AdamWArgs args{.lr = config_.lr,
-                          .beta1 = config_.beta1,
-                          .beta2 = config_.beta2,
-                          .eps = config_.eps,
-                          .weight_decay = config_.weight_decay,
-                          .step = step_count_,
-                          .grad_scale = options.grad_scale,
-                          .decay_end = store_.decay_numel()};
-  kernels::cpu::adamw(store_.master().kview(), store_.grads().kview(), exp_avg_.kview(),
-                      exp_avg_sq_.kview(), args, working_copy(store_));
-  store_.master().bump_version();
-  store_.weights().bump_version();
+  run(step_args(step_count_, options.grad_scale), {});
+}
+
+void AdamW::step_gated(const kernels::DeviceGate& gate) {
+  MB_CHECK(gate.stats != nullptr, "[AdamW] step_gated needs the gradient statistics");
+  run(step_args(step_count_ + 1, 1.0), gate);  // the step it would be; counted by commit_step()
 }
 
 std::map<std::string, Tensor> AdamW::state_dict() const {
@@ -82,22 +106,38 @@ SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config
   }
 }
 
-void SGD::step(StepOptions options) {
-  check_cpu(store_, "SGD");
-  if (options.found_inf) return;
+void SGD::run(double grad_scale, const kernels::DeviceGate& gate) {
   kernels::SGDArgs args{.lr = config_.lr,
                         .momentum = config_.momentum,
                         .dampening = config_.dampening,
                         .weight_decay = config_.weight_decay,
                         .nesterov = config_.nesterov,
                         .first_step = step_count_ == 0,
-                        .grad_scale = options.grad_scale,
+                        .grad_scale = grad_scale,
                         .decay_end = store_.decay_numel()};
   kernels::StridedView buffer = momentum_buffer_.defined() ? momentum_buffer_.kview() : kernels::StridedView{};
-  kernels::cpu::sgd(store_.master().kview(), store_.grads().kview(), buffer, args, working_copy(store_));
-  store_.master().bump_version();
+  const Tensor& master = store_.master();
+  launch("SGD", master.device(),
+         [&] {
+           if (!apply_gate_on_host(gate, &args.grad_scale)) return;
+           kernels::cpu::sgd(master.kview(), store_.grads().kview(), buffer, args, working_copy(store_));
+         },
+         [&] {
+           kernels::cuda::sgd(master.kview(), store_.grads().kview(), buffer, args, working_copy(store_), gate);
+         });
+  master.bump_version();
   store_.weights().bump_version();
+}
+
+void SGD::step(StepOptions options) {
+  if (options.found_inf) return;
+  run(options.grad_scale, {});
   ++step_count_;
+}
+
+void SGD::step_gated(const kernels::DeviceGate& gate) {
+  MB_CHECK(gate.stats != nullptr, "[SGD] step_gated needs the gradient statistics");
+  run(1.0, gate);
 }
 
 std::map<std::string, Tensor> SGD::state_dict() const {

@@ -5,6 +5,7 @@
 #include <map>
 #include <string>
 
+#include "kernels/optim.h"
 #include "optim/param_store.h"
 
 namespace microbatch::optim {
@@ -23,6 +24,13 @@ class Optimizer {
   virtual ~Optimizer() = default;
   /// One update from the gradients in the store.
   virtual void step(StepOptions options = {}) = 0;
+  /// One update whose skip flag, loss scale and norm are read where the store lives (Note
+  /// [Boundary step on the device] in optim/boundary_step.h): the pass changes nothing when
+  /// gate.stats->non_finite. The step count does not move: call commit_step() once the host knows
+  /// the step was taken. The gate's pointers are in the store's memory (host memory on the CPU).
+  virtual void step_gated(const kernels::DeviceGate& gate) = 0;
+  /// Counts a step_gated() update that was taken.
+  void commit_step() { ++step_count_; }
   void zero_grad() { store_.zero_grad(); }
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
@@ -52,6 +60,7 @@ class AdamW final : public Optimizer {
  public:
   AdamW(ParamStore& store, AdamWConfig config = {});
   void step(StepOptions options = {}) override;
+  void step_gated(const kernels::DeviceGate& gate) override;
   double lr() const override { return config_.lr; }
   void set_lr(double lr) override { config_.lr = lr; }
   std::map<std::string, Tensor> state_dict() const override;
@@ -60,6 +69,9 @@ class AdamW final : public Optimizer {
   std::size_t state_bytes() const { return exp_avg_.nbytes() + exp_avg_sq_.nbytes(); }
 
  private:
+  kernels::AdamWArgs step_args(std::int64_t step, double grad_scale) const;
+  void run(kernels::AdamWArgs args, const kernels::DeviceGate& gate);
+
   AdamWConfig config_;
   Tensor exp_avg_;     // (numel) f32 (f64 for f64 weights)
   Tensor exp_avg_sq_;  // (numel)
@@ -78,12 +90,15 @@ class SGD final : public Optimizer {
  public:
   SGD(ParamStore& store, SGDConfig config = {});
   void step(StepOptions options = {}) override;
+  void step_gated(const kernels::DeviceGate& gate) override;
   double lr() const override { return config_.lr; }
   void set_lr(double lr) override { config_.lr = lr; }
   std::map<std::string, Tensor> state_dict() const override;
   void load_state_dict(const std::map<std::string, Tensor>& state) override;
 
  private:
+  void run(double grad_scale, const kernels::DeviceGate& gate);
+
   SGDConfig config_;
   Tensor momentum_buffer_;  // (numel), only with momentum
 };

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/ops/dispatch.h"
+#include "kernels/device.h"
 #include "kernels/optim.h"
 
 namespace microbatch::optim {
@@ -97,17 +99,48 @@ void ParamStore::zero_grad() {
   grads_.zero_();
 }
 
+namespace {
+// The statistics of a whole gradient arena, waited for: one reduction launch on CUDA.
+kernels::GradStats arena_stats(const Tensor& grads) {
+  const Device device = grads.device();
+  MB_CHECK(device.is_cpu() || device.is_cuda(), "[grad_norm] the gradients are on {}, which holds no values",
+           device.str());
+  if (device.is_cpu()) {
+    const kernels::cpu::NormResult r = kernels::cpu::sum_squares(grads.kview());
+    return {.sum_sq = r.sum_sq, .non_finite = r.non_finite ? 1u : 0u};
+  }
+  Tensor buffer = zeros({static_cast<std::int64_t>(sizeof(kernels::GradStatsBuffer))},
+                        {.dtype = DType::u8, .device = device});
+  launch("grad_norm", device, [] {}, [&] {
+    kernels::cuda::sum_squares(grads.kview(), static_cast<kernels::GradStatsBuffer*>(buffer.raw_data()));
+  });
+  kernels::GradStats stats;
+  kernels::cuda::memcpy_device_to_host(&stats, buffer.raw_data(), sizeof stats, device.index);
+  return stats;
+}
+}  // namespace
+
 ParamStore::GradNorm ParamStore::grad_norm() const {
-  MB_CHECK(grads_.device().is_cpu(), "[grad_norm] has no {} kernel in this build yet", grads_.device().str());
-  auto r = kernels::cpu::sum_squares(grads_.kview());
-  return {std::sqrt(r.sum_sq), r.non_finite};
+  const kernels::GradStats s = arena_stats(grads_);
+  return {std::sqrt(s.sum_sq), s.non_finite != 0};
 }
 
 std::string ParamStore::first_non_finite() const {
+  if (grads_.device().is_cuda()) {  // one reduction gives the first bad element's index
+    const kernels::GradStats s = arena_stats(grads_);
+    return s.non_finite != 0 ? entry_at(s.first_non_finite).name : std::string();
+  }
   for (const Entry& e : entries_) {
     if (kernels::cpu::sum_squares(grad_of(e).contiguous().kview()).non_finite) return e.name;
   }
   return {};
+}
+
+const ParamStore::Entry& ParamStore::entry_at(std::int64_t index) const {
+  MB_CHECK(index >= 0 && index < numel(), "[ParamStore] element {} is outside the arena of {}", index, numel());
+  auto it = std::upper_bound(entries_.begin(), entries_.end(), index,
+                             [](std::int64_t i, const Entry& e) { return i < e.offset; });
+  return *std::prev(it);
 }
 
 double clip_grad_norm_(ParamStore& store, double max_norm) {
@@ -115,8 +148,10 @@ double clip_grad_norm_(ParamStore& store, double max_norm) {
   const double norm = store.grad_norm().norm;
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1.0) {
-    kernels::cpu::scale(store.grads().kview(), coef);
-    store.grads().bump_version();
+    const Tensor& grads = store.grads();
+    launch("clip_grad_norm_", grads.device(), [&] { kernels::cpu::scale(grads.kview(), coef); },
+           [&] { kernels::cuda::scale(grads.kview(), coef); });
+    grads.bump_version();
   }
   return norm;
 }

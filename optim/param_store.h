@@ -60,7 +60,8 @@ class ParamStore {
   const std::vector<Entry>& entries() const { return entries_; }
   /// Sets every gradient to zero (one memset over the arena).
   void zero_grad();
-  /// sqrt(sum of squares) of all gradients, in f64, and whether any is not finite.
+  /// sqrt(sum of squares) of all gradients, in f64, and whether any is not finite. On CUDA this
+  /// waits for the result (the trainer's boundary step does not: optim/boundary_step.h).
   struct GradNorm {
     double norm = 0.0;
     bool non_finite = false;
@@ -69,6 +70,8 @@ class ParamStore {
   /// The name of the first parameter (in arena order) whose gradient holds a value that is not
   /// finite; empty when every one is finite. For diagnosing an overflowing step.
   std::string first_non_finite() const;
+  /// The entry whose slot holds arena element `index` (0 <= index < numel()).
+  const Entry& entry_at(std::int64_t index) const;
   /// The gradient of one entry, as a view with the parameter's shape.
   Tensor grad_of(const Entry& e) const;
   Tensor weight_of(const Entry& e) const;

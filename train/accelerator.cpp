@@ -2,8 +2,8 @@
 
 namespace microbatch::train {
 
-WindowedLoader::WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps)
-    : next_(std::move(next)), steps_(steps) {
+WindowedLoader::WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps, Device device)
+    : next_(std::move(next)), steps_(steps), device_(device) {
   MB_CHECK(steps >= 1, "[Accelerator] gradient_accumulation_steps must be >= 1, got {}", steps);
 }
 
@@ -27,6 +27,7 @@ std::optional<WindowBatch> WindowedLoader::next() {
   }
   WindowBatch out = std::move(window_.front());
   window_.pop_front();
+  out.batch = out.batch.to(device_);  // one copy, when it is needed
   return out;
 }
 
@@ -34,10 +35,26 @@ Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
   MB_CHECK(config.gradient_accumulation_steps >= 1,
            "[Accelerator] gradient_accumulation_steps must be >= 1, got {}",
            config.gradient_accumulation_steps);
+  if (config.device) {
+    const Device d = *config.device;
+    MB_CHECK(!d.is_meta(), "[Accelerator] device must be cpu or cuda:N, got meta");
+    MB_CHECK(!(config.cpu && d.is_cuda()), "[Accelerator] cpu = true and device = {} disagree: give one of them",
+             d.str());
+    MB_CHECK(!d.is_cuda() || d.index < cuda_device_count(), "[Accelerator] device {} is not present ({} CUDA "
+             "device(s) here)", d.str(), cuda_device_count());
+    device_ = d;
+  } else {
+    device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
+  }
+}
+
+nn::Module& Accelerator::prepare_model(nn::Module& model) {
+  model.to(device_);
+  return model;
 }
 
 WindowedLoader Accelerator::prepare(std::function<std::optional<Batch>()> next) {
-  return WindowedLoader(std::move(next), config_.gradient_accumulation_steps);
+  return WindowedLoader(std::move(next), config_.gradient_accumulation_steps, device_);
 }
 
 AccumulateScope Accelerator::accumulate(const WindowBatch& batch) {

@@ -6,6 +6,11 @@
 // users must not divide the loss themselves (Accelerate's backward divides by N; ours weighs by
 // items). To know n_j for the whole window before the first backward, the prepared loader reads
 // the window's batches ahead: counting needs no forward pass.
+//
+// As Accelerate does, it places the work: device() is cuda:0 when a CUDA device is present (unless
+// `cpu` or an explicit `device` says otherwise); prepare_model() moves the model there before its
+// ParamStore is built, and a prepared loader hands out each batch copied there (the window read
+// ahead stays on the host).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +26,8 @@ namespace microbatch::train {
 
 struct AcceleratorConfig {
   std::int64_t gradient_accumulation_steps = 1;
+  bool cpu = false;              // Accelerate's `cpu`: stay on the CPU even with a CUDA device present
+  std::optional<Device> device;  // an explicit device (cpu or cuda:N), over the choice above
 };
 
 /// A batch with its exact weight in the accumulation window, and whether the window ends with it.
@@ -31,16 +38,17 @@ struct WindowBatch {
   std::int64_t window_items = 0;
 };
 
-/// Groups batches from `next` into windows of up to N (the last window of the data may be shorter)
-/// and attaches each batch's weight.
+/// Groups batches from `next` into windows of up to N (the last window of the data may be shorter),
+/// attaches each batch's weight, and hands each out copied to `device`.
 class WindowedLoader {
  public:
-  WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps);
+  WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps, Device device = kCPU);
   std::optional<WindowBatch> next();
 
  private:
   std::function<std::optional<Batch>()> next_;
   std::int64_t steps_;
+  Device device_;
   std::deque<WindowBatch> window_;
 };
 
@@ -89,7 +97,13 @@ class Accelerator {
  public:
   explicit Accelerator(AcceleratorConfig config = {});
 
-  /// Wraps a batch source: each batch comes with its window weight (Note [Exact accumulation]).
+  /// Where the model and batches go: config.device, else cuda:0 when present and not config.cpu,
+  /// else the CPU.
+  Device device() const { return device_; }
+  /// Moves the model to device(); call it before building the model's ParamStore.
+  nn::Module& prepare_model(nn::Module& model);
+  /// Wraps a batch source: each batch comes with its window weight (Note [Exact accumulation]), on
+  /// device().
   WindowedLoader prepare(std::function<std::optional<Batch>()> next);
   AcceleratedOptimizer prepare(optim::Optimizer& optimizer) { return {*this, optimizer}; }
   AcceleratedScheduler prepare(optim::LRScheduler& scheduler) { return {*this, scheduler}; }
@@ -105,6 +119,7 @@ class Accelerator {
  private:
   friend class AccumulateScope;
   AcceleratorConfig config_;
+  Device device_ = kCPU;
   double weight_ = 1.0;
   bool sync_gradients_ = true;
   bool in_scope_ = false;

@@ -58,7 +58,10 @@ StepResult run_step(const std::function<std::unique_ptr<nn::Model>()>& make, con
 
 std::string split_name(const std::vector<std::int64_t>& split) {
   std::string s;
-  for (std::size_t i = 0; i < split.size(); ++i) s += (i ? "+" : "") + std::to_string(split[i]);
+  for (std::size_t i = 0; i < split.size(); ++i) {
+    if (i > 0) s += '+';
+    s += std::to_string(split[i]);
+  }
   return s;
 }
 

@@ -112,6 +112,13 @@ std::int64_t count_not_equal(const Tensor& labels, std::int64_t ignore_index) {
 
 }  // namespace
 
+Batch Batch::to(Device device) const {
+  Batch out = *this;
+  if (inputs.defined()) out.inputs = inputs.to(device);
+  if (labels.defined()) out.labels = labels.to(device);
+  return out;
+}
+
 Batch collate(const std::vector<Example>& examples, CollateOptions options) {
   MB_CHECK(!examples.empty(), "[collate] no examples to collate");
   Batch batch;

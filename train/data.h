@@ -64,6 +64,8 @@ struct Batch {
   std::int64_t num_items = 0;         // Note [Batch items]
   std::vector<std::int64_t> indices;  // dataset index of each row (empty from a bare collate())
   std::int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
+  /// The same batch with its tensors on `device`: one copy each, none where they already are.
+  Batch to(Device device) const;
 };
 
 struct CollateOptions {

@@ -6,17 +6,20 @@
 #include <sstream>
 
 #include "core/allocator.h"
+#include "core/ops/dispatch.h"
 #include "core/rng.h"
 
 namespace microbatch::train {
 
 // Note [Predicting a step's peak]: predict() builds the model as training would (arenas, AdamW
-// moments), moves it and a sample micro-batch to the meta device, and runs forward and backward
-// there. Meta tensors hold no data but go through an allocator with the CPU's caching rules (block
-// rounding, best fit, reuse of freed blocks), and every op allocates the same tensors on both
-// devices, so meta's reserved peak is the reserved peak of the same step on the CPU, byte for byte
-// (tests/core/test_memory.cpp). The optimizer step is not run on meta: it updates the arenas in
-// place and allocates nothing, so its memory is the fixed bytes already counted. The prediction is
+// moments) on the meta device, moves a sample micro-batch there, and runs forward and backward
+// there. Meta tensors hold no data but go through an allocator with the training device's caching
+// rules (block rounding, best fit, reuse of freed blocks), and under MetaBackendGuard every op
+// allocates the tensors that device's kernels allocate (Note [Meta mirrors a backend] in
+// core/ops/dispatch.h), so meta's reserved peak is the reserved peak of the same step on the CPU or
+// on the GPU, byte for byte (tests/core/test_memory.cpp). The optimizer step is not run on meta: it
+// updates the arenas in place and allocates nothing, so its memory is the fixed bytes already
+// counted. The prediction is
 // the natural peak, with no budget in force: a plan whose natural peak fits under the budget never
 // makes the allocator release its cache or refuse a request. A plan is judged by the peak of a
 // whole window (Note [Uneven windows]), measured the same way with its micro-batches run in
@@ -27,6 +30,13 @@ namespace microbatch::train {
 // tensors saved for backward, gradients in flight, kernel scratch); workspace is the rest of the
 // reserved peak, the blocks the caching allocator holds beyond live tensors (freed blocks kept for
 // reuse, blocks larger than their request). Workspace is the price of caching, not of the model.
+//
+// Note [Outside the allocator]: on a GPU, cuBLAS and cuBLASLt each take a 32 MiB workspace per
+// device with cudaMalloc, once, on first use (kernels/cuda/runtime.cu), and the CUDA context takes
+// a few hundred MiB that the driver manages. None of it goes through the caching allocator, so the
+// budget (which the allocator enforces) does not cover it and the predicted and measured peaks do
+// not count it; the plan states the workspaces beside the budget, so that budget + overheads is
+// what the device must have free.
 
 namespace {
 
@@ -34,10 +44,14 @@ std::int64_t block_bytes(std::size_t bytes) {
   return static_cast<std::int64_t>((bytes + kBlockRound - 1) / kBlockRound * kBlockRound);
 }
 
-// Empties the meta cache and puts the RNG back on every exit, so a prediction changes nothing.
+// Meta mirrors the training device's backend inside it; the meta cache is emptied and the RNG put
+// back on every exit, so a prediction changes nothing.
 class PredictionScope {
  public:
-  PredictionScope() : rng_(default_generator().state()) { empty_cache(kMeta); }
+  explicit PredictionScope(Device device)
+      : mirror_(device.is_cuda() ? Backend::cuda : Backend::cpu), rng_(default_generator().state()) {
+    empty_cache(kMeta);
+  }
   ~PredictionScope() {
     empty_cache(kMeta);
     default_generator().set_state(rng_);
@@ -46,8 +60,12 @@ class PredictionScope {
   PredictionScope& operator=(const PredictionScope&) = delete;
 
  private:
+  MetaBackendGuard mirror_;
   GeneratorState rng_;
 };
+
+// The cuBLAS and cuBLASLt workspace size (kernels/cuda/runtime.cu).
+constexpr std::int64_t kCublasWorkspaceBytes = std::int64_t{32} << 20;
 
 std::string breakdown_text(const MemoryBreakdown& b) {
   return fmt::format("weights {}, gradients {}, optimizer state {}, activations {}, workspace {}",
@@ -59,6 +77,11 @@ std::string breakdown_text(const MemoryBreakdown& b) {
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+std::vector<DeviceOverhead> device_overheads(Device device) {
+  if (!device.is_cuda()) return {};
+  return {{"cuBLAS workspace", kCublasWorkspaceBytes}, {"cuBLASLt workspace", kCublasWorkspaceBytes}};
+}
 
 std::int64_t MemoryBreakdown::total() const {
   return weights + gradients + optimizer_state + activations + workspace;
@@ -75,8 +98,12 @@ std::string MemoryPlan::str() const {
   const auto usable =
       static_cast<std::int64_t>(std::floor(static_cast<double>(budget) * (1.0 - margin)));
   std::ostringstream os;
-  os << fmt::format("memory plan for a budget of {} ({} usable with a {:g}% margin)\n",
-                    format_bytes(budget), format_bytes(usable), margin * 100.0);
+  os << fmt::format("memory plan for {} with a budget of {} ({} usable with a {:g}% margin)\n",
+                    device.str(), format_bytes(budget), format_bytes(usable), margin * 100.0);
+  if (device.is_cuda()) {
+    os << "  predicted on the meta device with the CUDA allocator's rules and the CUDA kernels'\n"
+          "  allocations: planning needs no GPU\n";
+  }
   os << fmt::format("  {:<24}{}\n", "effective batch", effective_batch);
   os << fmt::format("  {:<24}{}\n", "micro-batch size", micro_batch_size);
   os << fmt::format("  {:<24}{}{}\n", "accumulation steps", accumulation_steps,
@@ -99,10 +126,20 @@ std::string MemoryPlan::str() const {
                                             : 0.0;
     os << fmt::format("    {:<22}{:>12}  {:>5.1f}%\n", name, format_bytes(bytes), share);
   }
+  if (!outside_budget.empty()) {
+    std::int64_t outside = 0;
+    for (const DeviceOverhead& o : outside_budget) outside += o.bytes;
+    os << fmt::format("  {:<24}{:>12}  (not in the budget)\n", "outside the allocator", format_bytes(outside));
+    for (const DeviceOverhead& o : outside_budget)
+      os << fmt::format("    {:<22}{:>12}\n", o.what, format_bytes(o.bytes));
+    os << "    and the CUDA context, which the driver manages (a few hundred MiB)\n";
+  }
   return os.str();
 }
 
 nlohmann::json MemoryPlan::to_json() const {
+  nlohmann::json outside = nlohmann::json::object();
+  for (const DeviceOverhead& o : outside_budget) outside[o.what] = o.bytes;
   return {{"micro_batch_size", micro_batch_size},
           {"accumulation_steps", accumulation_steps},
           {"effective_batch", effective_batch},
@@ -110,7 +147,9 @@ nlohmann::json MemoryPlan::to_json() const {
           {"predicted_peak", predicted_peak},
           {"breakdown", breakdown.to_json()},
           {"budget", budget},
-          {"margin", margin}};
+          {"margin", margin},
+          {"device", device.str()},
+          {"outside_budget", outside}};
 }
 
 MemoryPlanner::MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, PlannerConfig config)
@@ -162,13 +201,17 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
   const auto key = std::pair{sizes, checkpointing};
   if (auto it = predictions_.find(key); it != predictions_.end()) return it->second;
 
-  PredictionScope scope;
+  PredictionScope scope(config_.device);
   const std::int64_t base = memory_stats(kMeta).reserved.current;  // other meta users' live bytes
   MemoryBreakdown b;
   {
-    std::unique_ptr<nn::Model> model = make_model_(checkpointing);
+    std::unique_ptr<nn::Model> model;
+    {
+      nn::DeviceScope on_meta(kMeta);
+      model = make_model_(checkpointing);
+    }
     MB_CHECK(model != nullptr, "[planner] the model factory returned no model");
-    model->to(kMeta);
+    model->to(kMeta);  // what the factory made outside the layers (its own tensors)
     optim::ParamStore store(*model, config_.store);
     optim::AdamW optimizer(store, config_.adamw);
     b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
@@ -243,6 +286,8 @@ MemoryPlan MemoryPlanner::make_plan(std::int64_t n, bool checkpointing) {
   p.predicted_peak = p.breakdown.total();
   p.budget = config_.budget;
   p.margin = config_.margin;
+  p.device = config_.device;
+  p.outside_budget = device_overheads(config_.device);
   return p;
 }
 

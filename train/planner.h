@@ -1,9 +1,10 @@
 // MemoryPlanner: chooses the micro-batch size (and whether to checkpoint activations) for a memory
 // budget, holding the effective batch fixed. The fixed bytes (weight and gradient arenas, AdamW
 // moments) are counted exactly; the activation peak of a candidate micro-batch is measured by
-// running its forward and backward on the meta device, whose allocator follows the CPU's caching
-// rules, so the predicted peak is the reserved peak a real step reaches (Note [Predicting a step's
-// peak]).
+// running its forward and backward on the meta device, whose allocator follows the caching rules
+// of the training device (the CPU's, or the CUDA allocator's) and whose ops allocate what that
+// device's kernels allocate, so the predicted peak is the reserved peak a real step reaches (Note
+// [Predicting a step's peak]). Planning for a GPU needs no GPU.
 //
 //   MemoryPlanner planner(make_model, sample_batch, {.budget = 256 << 20, .effective_batch = 64});
 //   MemoryPlan plan = planner.plan();   // e.g. micro-batch 24, 3 steps (24 + 24 + 16)
@@ -37,6 +38,17 @@ struct MemoryBreakdown {
   nlohmann::json to_json() const;
 };
 
+/// Device memory that training takes outside the caching allocator: the budget does not cover it
+/// and the predicted peak does not count it (Note [Outside the allocator] in planner.cpp).
+struct DeviceOverhead {
+  std::string what;
+  std::int64_t bytes = 0;
+};
+
+/// What the device holds outside the allocator while training there: nothing on the CPU; on CUDA
+/// the cuBLAS and cuBLASLt workspaces. The CUDA context itself is the driver's and not listed.
+std::vector<DeviceOverhead> device_overheads(Device device);
+
 struct MemoryPlan {
   std::int64_t micro_batch_size = 0;    // samples per micro-batch
   std::int64_t accumulation_steps = 0;  // ceil(effective_batch / micro_batch_size)
@@ -46,6 +58,8 @@ struct MemoryPlan {
   MemoryBreakdown breakdown;
   std::int64_t budget = 0;
   double margin = 0.05;  // the plan's peak must be <= budget * (1 - margin)
+  Device device = kCPU;  // the training device the plan is for
+  std::vector<DeviceOverhead> outside_budget;  // device_overheads(device)
   /// The plan and its predicted peak broken down, as a table.
   std::string str() const;
   nlohmann::json to_json() const;
@@ -54,7 +68,8 @@ struct MemoryPlan {
 /// Builds a fresh model for measurement; the argument says whether to checkpoint activations.
 using ModelFactory = std::function<std::unique_ptr<nn::Model>(bool gradient_checkpointing)>;
 /// A batch of n samples shaped like the training data (values irrelevant: it will be moved to
-/// meta).
+/// meta). A host batch counts as the copy a training step makes of it on the device; a meta batch
+/// counts as whatever its making allocated on meta.
 using SampleBatchFn = std::function<Batch(std::int64_t n)>;
 
 struct PlannerConfig {
@@ -67,6 +82,8 @@ struct PlannerConfig {
       micro_batch_size;        // user fixed per_device_train_batch_size (then only checked)
   optim::AdamWConfig adamw{};  // the optimizer whose state is counted
   optim::ParamStoreOptions store{};  // the arenas counted (a 16-bit compute dtype adds a master copy)
+  /// The training device: meta mirrors its allocator and its kernels' allocations (MetaBackendGuard).
+  Device device = kCPU;
 };
 
 class MemoryPlanner {
@@ -76,6 +93,7 @@ class MemoryPlanner {
   /// Predicted peak (and breakdown) of one full training step (forward + backward of one
   /// micro-batch of n samples with all arenas and optimizer state live, plus the optimizer step)
   /// on the meta device. Leaves no allocation behind on meta or on the CPU, nor a changed RNG.
+  /// The model is built on meta (nn::DeviceScope): its layers' parameters take no host memory.
   MemoryBreakdown predict(std::int64_t n, bool checkpointing);
   /// The plan with the best expected throughput (Note [Expected throughput]) whose predicted peak
   /// fits budget * (1 - margin). Throws OutOfMemoryError (a microbatch::Error) saying how much is

@@ -7,6 +7,8 @@
 #include <iterator>
 #include <string_view>
 
+#include "core/rng.h"
+
 namespace microbatch::train {
 
 namespace {
@@ -199,6 +201,34 @@ std::string TextDataset::decode(const std::vector<std::int64_t>& tokens) const {
     }
   }
   return out;
+}
+
+SyntheticTokens::SyntheticTokens(SyntheticTokensOptions options) : options_(options) {
+  MB_CHECK(options_.vocab_size >= 1 && options_.block_size >= 1 && options_.size >= 0,
+           "[SyntheticTokens] vocab_size and block_size must be >= 1 and size >= 0, got {}, {} and {}",
+           options_.vocab_size, options_.block_size, options_.size);
+}
+
+Example SyntheticTokens::get(std::int64_t index) const {
+  check_index(index, "SyntheticTokens");
+  const std::int64_t t = options_.block_size;
+  // Token k of example i takes 64 bits of Philox block (i * blocks + k / 2, seed), lanes 2 (k % 2)
+  // and the next; (bits * vocab) >> 64 maps them to [0, vocab) with a bias below vocab / 2^64.
+  const auto blocks = static_cast<std::uint64_t>((t + 2) / 2);
+  const auto vocab = static_cast<unsigned __int128>(options_.vocab_size);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(t + 1));
+  for (std::int64_t k = 0; k <= t; ++k) {
+    const PhiloxBlock b = philox4x32(static_cast<std::uint64_t>(index) * blocks + static_cast<std::uint64_t>(k / 2),
+                                     options_.seed);
+    const int lane = 2 * static_cast<int>(k % 2);
+    const std::uint64_t bits = (static_cast<std::uint64_t>(b.v[lane]) << 32) | b.v[lane + 1];
+    ids[static_cast<std::size_t>(k)] = static_cast<std::int64_t>((bits * vocab) >> 64);
+  }
+  Tensor input = empty({t}, {.dtype = DType::i64});  // (T)
+  Tensor label = empty({t}, {.dtype = DType::i64});  // (T), input shifted left by one
+  std::copy(ids.begin(), ids.end() - 1, input.data<std::int64_t>());
+  std::copy(ids.begin() + 1, ids.end(), label.data<std::int64_t>());
+  return {input, label};
 }
 
 }  // namespace microbatch::train

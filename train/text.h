@@ -1,5 +1,6 @@
-// A text file as next-token examples: the file is encoded once (bytes or Unicode code points), split
-// into train (the first 1 - val_fraction of the tokens) and val (the rest), and cut into blocks.
+// A text file as next-token examples (and, for benchmarks, random tokens of the same shape): the
+// file is encoded once (bytes or Unicode code points), split into train (the first
+// 1 - val_fraction of the tokens) and val (the rest), and cut into blocks.
 //
 // Blocks do not overlap: block i starts at token i * block_size of its split, with
 // input = tokens[s : s + block_size] and label = tokens[s + 1 : s + 1 + block_size] (both i64),
@@ -51,6 +52,29 @@ class TextDataset : public Dataset {
   TextOptions options_;
   std::vector<char32_t> code_points_;  // char level: id -> code point, sorted
   std::vector<std::int32_t> tokens_;   // this split's tokens
+};
+
+struct SyntheticTokensOptions {
+  std::int64_t vocab_size = 50257;
+  std::int64_t block_size = 1024;  // tokens per example
+  std::int64_t size = 10000;       // examples
+  std::uint64_t seed = 0;
+};
+
+/// Seeded uniform random tokens, for speed and memory benchmarks only: there is nothing in them to
+/// learn (the loss stays near ln(vocab_size)). Example i depends on (seed, i) alone and is made on
+/// demand, so a dataset of any size holds no memory; input and label are shaped as TextDataset's
+/// (T) next-token pairs.
+class SyntheticTokens : public Dataset {
+ public:
+  explicit SyntheticTokens(SyntheticTokensOptions options = {});
+  std::int64_t size() const override { return options_.size; }
+  Example get(std::int64_t index) const override;
+  std::int64_t vocab_size() const { return options_.vocab_size; }
+  const SyntheticTokensOptions& options() const { return options_; }
+
+ private:
+  SyntheticTokensOptions options_;
 };
 
 }  // namespace microbatch::train

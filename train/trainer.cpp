@@ -7,9 +7,11 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <set>
 
+#include "optim/boundary_step.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -66,13 +68,15 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
       log_stream_(&std::cout) {
   args_.validate();
   MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
-  empty_cache(kCPU);
-  baseline_ = memory_stats(kCPU).reserved.current;
+  device_ = args_.training_device();
+  empty_cache(device_);
+  baseline_ = memory_stats(device_).reserved.current;
   if (args_.fp16) compute_dtype_ = DType::f16;
   if (args_.bf16) compute_dtype_ = DType::bf16;
   manual_seed(args_.seed);
   model_ = model_init_();
   MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
+  model_->to(device_);
   plan_ = make_plan();
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
@@ -84,59 +88,69 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
 
 Trainer::~Trainer() = default;
 
-std::optional<DType> Trainer::gradient_dtype() const {
+namespace {
+std::optional<DType> gradient_dtype_of(const TrainingArguments& args) {
   // "f32" means full-precision accumulators: f32, or f64 for an f64 model (the ParamStore default).
-  if (args_.gradient_accumulation_dtype == "f32") return std::nullopt;
-  return parse_dtype(args_.gradient_accumulation_dtype);
+  if (args.gradient_accumulation_dtype == "f32") return std::nullopt;
+  return parse_dtype(args.gradient_accumulation_dtype);
 }
+}  // namespace
+
+std::optional<DType> Trainer::gradient_dtype() const { return gradient_dtype_of(args_); }
 
 Tensor Trainer::model_inputs(const Tensor& inputs) const {
   if (!compute_dtype_ || !is_floating(inputs.dtype()) || inputs.dtype() == *compute_dtype_) return inputs;
   return inputs.to(*compute_dtype_);
 }
 
-MemoryPlan Trainer::make_plan() {
-  const BatchTriad triad = resolve_batch_triad(args_);
-  if (args_.memory_budget == 0) {
+MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args, const Dataset& train_set,
+                         Device device) {
+  const BatchTriad triad = resolve_batch_triad(args);
+  if (args.memory_budget == 0) {
     MemoryPlan p;
     p.micro_batch_size = triad.micro;
     p.accumulation_steps = triad.accumulation;
     p.effective_batch = triad.effective;
-    p.gradient_checkpointing = args_.gradient_checkpointing;
+    p.gradient_checkpointing = args.gradient_checkpointing;
+    p.device = device;
+    p.outside_budget = device_overheads(device);
     return p;
   }
   PlannerConfig config;
-  config.budget = args_.memory_budget;
+  config.budget = args.memory_budget;
   config.effective_batch = triad.effective;
-  if (args_.gradient_checkpointing) config.force_checkpointing = true;
+  if (args.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
-  config.store.compute_dtype = compute_dtype_;
-  config.store.grad_dtype = gradient_dtype();
-  config.adamw = {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
-                  .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay};
+  if (args.fp16) config.store.compute_dtype = DType::f16;
+  if (args.bf16) config.store.compute_dtype = DType::bf16;
+  config.store.grad_dtype = gradient_dtype_of(args);
+  config.adamw = {.lr = args.learning_rate, .beta1 = args.adam_beta1, .beta2 = args.adam_beta2,
+                  .eps = args.adam_epsilon, .weight_decay = args.weight_decay};
+  config.device = device;
   // Measuring builds models: keep the random stream the training run will see untouched.
   const GeneratorState rng = default_generator().state();
   MemoryPlanner planner(
-      [this](bool checkpointing) {
-        std::unique_ptr<nn::Model> m = model_init_();
+      [&](bool checkpointing) {
+        std::unique_ptr<nn::Model> m = model_init();
         m->set_gradient_checkpointing(checkpointing);
         return m;
       },
-      [this](std::int64_t n) {
-        // Collated on meta, so that what a real collate allocates (and the cache blocks it leaves)
-        // is counted like the training loop's: an example the dataset made afresh is a meta
-        // allocation; one that views the dataset's own tensors allocates nothing.
+      [&](std::int64_t n) {
+        std::vector<Example> examples;
+        for (std::int64_t i = 0; i < n; ++i) examples.push_back(train_set.get(i % train_set.size()));
+        // On a GPU the batch is collated on the host: its one copy to the device is what counts,
+        // and the planner makes that copy on meta.
+        if (!device.is_cpu()) return collate(examples);
+        // On the CPU it is collated on meta, so that what a real collate allocates (and the cache
+        // blocks it leaves) is counted like the training loop's: an example the dataset made afresh
+        // is a meta allocation; one that views the dataset's own tensors allocates nothing.
         auto to_meta = [](const Tensor& t) {
           const bool fresh = t.storage().use_count() == 1 && t.storage()->nbytes == t.nbytes();
           if (fresh) return t.to(kMeta);
           return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(), contiguous_strides(t.shape()), 0,
                               t.dtype());
         };
-        std::vector<Example> examples;
-        for (std::int64_t i = 0; i < n; ++i) {
-          Example e = train_set_.get(i % train_set_.size());
-          examples.push_back({to_meta(e.input), to_meta(e.label)});
-        }
+        for (Example& e : examples) e = {to_meta(e.input), to_meta(e.label)};
         return collate(examples);
       },
       config);
@@ -145,17 +159,65 @@ MemoryPlan Trainer::make_plan() {
   return p;
 }
 
+MemoryPlan Trainer::make_plan() { return plan_training(model_init_, args_, train_set_, device_); }
+
 // ---- training ----------------------------------------------------------------------------------
 
 namespace {
 
-// Enforces baseline + budget on the CPU allocator in its scope (Note [What the budget covers]).
+// Enforces baseline + budget on the training device's allocator in its scope (Note [What the
+// budget covers]).
 struct BudgetGuard {
-  BudgetGuard(std::int64_t baseline, std::int64_t budget) : previous(allocator(kCPU).budget()) {
-    if (budget > 0) set_memory_budget(kCPU, static_cast<std::size_t>(baseline + budget));
+  BudgetGuard(Device device, std::int64_t baseline, std::int64_t budget)
+      : device(device), previous(allocator(device).budget()) {
+    if (budget > 0) set_memory_budget(device, static_cast<std::size_t>(baseline + budget));
   }
-  ~BudgetGuard() { allocator(kCPU).set_budget(previous); }
+  ~BudgetGuard() { allocator(device).set_budget(previous); }
+  Device device;
   std::optional<std::size_t> previous;
+};
+
+// A running sum of weighted losses (Note [Training on a device]). On a GPU it is a device scalar:
+// adding launches kernels and never waits, and value() is the one read. On the CPU it is a host
+// double: reading a loss there costs nothing, and the step allocates nothing the planner did not
+// see. Either way the sum is taken in f64, in the same order, so the two agree to the bit.
+class LossSum {
+ public:
+  explicit LossSum(Device device, double start = 0.0) : device_(device), host_(start) {}
+  /// sum += weight * loss, for a scalar loss on the training device.
+  void add(const Tensor& loss, double weight = 1.0) {
+    if (device_.is_cpu()) {
+      host_ += weight * loss.item();
+      return;
+    }
+    Tensor term = loss.detach().to(DType::f64);
+    if (weight != 1.0) term = term * weight;
+    add_term(term);
+  }
+  /// sum += other's sum.
+  void add(const LossSum& other) {
+    if (device_.is_cpu()) {
+      host_ += other.host_;
+    } else if (other.device_sum_.defined()) {
+      add_term(other.device_sum_);
+    } else {
+      host_ += other.host_;
+    }
+  }
+  /// The sum (waits for the device).
+  double value() const { return device_sum_.defined() ? host_ + device_sum_.item() : host_; }
+
+ private:
+  void add_term(const Tensor& term) {
+    if (!device_sum_.defined() && host_ != 0.0) {
+      device_sum_ = scalar_tensor(host_, {.dtype = DType::f64}).to(device_);  // a resumed run's sum
+      host_ = 0.0;
+    }
+    device_sum_ = device_sum_.defined() ? device_sum_ + term : term;
+  }
+  Device device_;
+  double host_;         // the whole sum on the CPU; on a GPU, what came before device_sum_
+  Tensor device_sum_;  // () f64 on the device, or undefined
 };
 
 using Chunk = std::vector<std::int64_t>;
@@ -258,14 +320,22 @@ TrainOutput Trainer::train() {
     default_generator().set_state({st.at("rng_seed").get<std::uint64_t>(), st.at("rng_offset").get<std::uint64_t>()});
     out << "resumed from " << point->path << " at step " << step << "\n";
   }
+  LossSum loss_total(device_, loss_sum);  // of every window's loss (Note [Training on a device])
+
+  // The boundary step runs here or is queued on the device (Note [Boundary step on the device] in
+  // optim/boundary_step.h); its outcomes reach take_outcome once the host knows them.
+  optim::BoundaryStep boundary(store, adamw, scheduler, scaler ? &*scaler : nullptr,
+                               {.max_grad_norm = args_.max_grad_norm});
+  std::function<void(const optim::StepOutcome&)> take_outcome;
 
   auto save = [&] {
+    for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // a checkpoint is settled state
     CheckpointData data;
     for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
     for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
     const GeneratorState rng = default_generator().state();
     data.trainer_state = {{"global_step", step}, {"epoch", epoch}, {"window", window}, {"samples", samples},
-                          {"tokens", tokens}, {"loss_sum", loss_sum}, {"scheduler_steps", scheduler.steps()},
+                          {"tokens", tokens}, {"loss_sum", loss_total.value()}, {"scheduler_steps", scheduler.steps()},
                           {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
                           {"args", args_.to_json()}, {"skipped_steps", skipped}};
     if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
@@ -273,19 +343,32 @@ TrainOutput Trainer::train() {
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
     log_file.flush();
   };
+  take_outcome = [&](const optim::StepOutcome& o) {
+    if (!o.skipped) return;
+    ++skipped;  // no weight, moment, optimizer step or schedule step moved
+    if (!o.floor_error.empty()) {
+      save();  // the last good state: overflowing windows changed nothing
+      MB_CHECK(false, "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
+               o.floor_error, o.first_non_finite, args_.output_dir);
+    }
+    nlohmann::json event{{"event", "skipped_step"}, {"step", o.step}, {"loss_scale", o.loss_scale},
+                         {"first_non_finite", o.first_non_finite}};
+    log_file << event.dump() << "\n";
+    log_file.flush();
+  };
   std::int64_t carried_peak = 0;  // the training peak since the last log line, kept across evaluations
   auto evaluate_now = [&] {
     // Evaluation's own peak is logged with it; step lines keep the training windows' peaks.
-    carried_peak = std::max(carried_peak, memory_stats(kCPU).reserved.peak);
-    reset_peak_memory_stats(kCPU);
+    carried_peak = std::max(carried_peak, memory_stats(device_).reserved.peak);
+    reset_peak_memory_stats(device_);
     Metrics m = run_evaluation(*eval_set_, nullptr);
     nlohmann::json line{{"event", "eval"}, {"step", step},
-                        {"measured_peak", memory_stats(kCPU).reserved.peak - baseline_},
+                        {"measured_peak", memory_stats(device_).reserved.peak - baseline_},
                         {"eval_batch_size", eval_batch_size_}};
     // Evaluation's cached blocks are not the training window's memory: hand them back, so that the
     // windows after it run at their planned peak.
-    empty_cache(kCPU);
-    reset_peak_memory_stats(kCPU);
+    empty_cache(device_);
+    reset_peak_memory_stats(device_);
     for (auto& [k, v] : m) line[k] = v;
     log_file << line.dump() << "\n";
     log_file.flush();
@@ -302,9 +385,12 @@ TrainOutput Trainer::train() {
   };
 
   // Blocks cached by planning or by moving the weights into the arena are not the step's memory.
-  empty_cache(kCPU);
-  BudgetGuard budget(baseline_, args_.memory_budget);
-  reset_peak_memory_stats(kCPU);
+  empty_cache(device_);
+  BudgetGuard budget(device_, baseline_, args_.memory_budget);
+  reset_peak_memory_stats(device_);
+  // The plan line: where the run goes, and its schedule.
+  log_file << nlohmann::json{{"event", "plan"}, {"device", device_.str()}, {"plan", plan_.to_json()}}.dump()
+           << "\n";
   Metrics last_eval;
   const bool token_labels = train_set_.get(0).label.dim() > 0;
   std::int64_t token_budget = 0;  // Note [Token-budget micro-batches]
@@ -343,25 +429,23 @@ TrainOutput Trainer::train() {
     for (const Chunk& c : chunks) window_items += items_of(c);
 
     std::deque<Chunk> queue(chunks.begin(), chunks.end());
-    double window_loss = 0.0;
+    LossSum window_loss(device_);
     std::int64_t micro_batches = 0, window_tokens = 0;
     while (!queue.empty()) {
       Chunk chunk = queue.front();
       queue.pop_front();
       const std::int64_t version = store.grads().version();
       try {
-        Batch b = loader.batch_for(chunk);
+        const Batch b = loader.batch_for(chunk).to(device_);  // collated on the host, one copy
         const double w = window_items > 0 ? static_cast<double>(b.num_items) / static_cast<double>(window_items) : 0.0;
         nn::ModelOutput o = model_->forward(model_inputs(b.inputs), b.labels);
         {
           GradWeightGuard weight(w);
-          if (scaler) {  // the loss is f32: its scaled gradient flows into the 16-bit graph
-            o.loss.backward(full(o.loss.shape(), scaler->scale(), {.dtype = o.loss.dtype()}));
-          } else {
-            o.loss.backward();
-          }
+          // With fp16 the seed is the loss scale (on CUDA the device's own): the loss is f32, and its
+          // scaled gradient flows into the 16-bit graph.
+          o.loss.backward(boundary.backward_seed(o.loss));
         }
-        window_loss += w * o.loss.item();
+        window_loss.add(o.loss, w);
         window_tokens += token_labels ? b.num_items : 0;
         ++micro_batches;
       } catch (const OutOfMemoryError& e) {
@@ -390,7 +474,7 @@ TrainOutput Trainer::train() {
           }
           chunks.assign(redo.begin(), redo.end());
           queue = redo;
-          window_loss = 0.0;
+          window_loss = LossSum(device_);
           micro_batches = 0;
           window_tokens = 0;
         } else {
@@ -410,52 +494,34 @@ TrainOutput Trainer::train() {
 
     // The boundary step: one pass for the norm and the non-finite flag, one fused optimizer pass
     // that unscales and clips (grad_scale) and writes master and working weights. An overflowing
-    // window changes no weight, no moment, no optimizer step and no schedule step.
-    optim::ParamStore::GradNorm norm = store.grad_norm();
-    const double inv_scale = scaler ? static_cast<double>(scaler->inv_scale()) : 1.0;
-    norm.norm *= inv_scale;
-    const double clip = args_.max_grad_norm > 0 && !norm.non_finite
-                            ? std::min(1.0, args_.max_grad_norm / (norm.norm + 1e-6)) : 1.0;
-    const double lr = adamw.lr();
-    const double scale_used = scaler ? scaler->scale() : 1.0;
-    std::string bad_param;
-    if (norm.non_finite) bad_param = store.first_non_finite();
-    bool skip = norm.non_finite;
-    if (scaler) {
-      try {
-        skip = scaler->update(norm.non_finite);
-      } catch (const optim::LossScaleFloorError& e) {
-        ++skipped;  // this window was skipped too
-        save();     // the last good state: overflowing windows changed nothing
-        MB_CHECK(false, "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
-                 e.what(), bad_param, args_.output_dir);
-      }
+    // window changes no weight, no moment, no optimizer step and no schedule step. On CUDA nothing
+    // waits for it: its outcome is read at the next boundary, or now when a line is logged.
+    const bool log_due = (step + 1) % args_.logging_steps == 0 || step + 1 == total_steps;
+    std::optional<optim::StepOutcome> current;
+    for (optim::StepOutcome& o : boundary.step(step + 1, log_due ? optim::Settle::Now : optim::Settle::Later)) {
+      take_outcome(o);
+      if (o.step == step + 1) current = std::move(o);
     }
-    if (!skip) {
-      adamw.step({.grad_scale = inv_scale * clip});
-      scheduler.step();
-    } else {
-      ++skipped;
-      nlohmann::json event{{"event", "skipped_step"}, {"step", step + 1}, {"loss_scale", scale_used},
-                           {"first_non_finite", bad_param}};
-      log_file << event.dump() << "\n";
-      log_file.flush();
-    }
+    // What a log line reports; known here whenever one is due.
+    const optim::ParamStore::GradNorm norm{.norm = current ? current->grad_norm : 0.0,
+                                           .non_finite = current && current->skipped};
+    const double lr = current ? current->lr : adamw.lr();
     store.zero_grad();
     ++step;
     ++window;
     samples += static_cast<std::int64_t>(indices.size());
     tokens += window_tokens;
-    loss_sum += window_loss;
+    loss_total.add(window_loss);
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
-      MemoryStats stats = memory_stats(kCPU);
+      MemoryStats stats = memory_stats(device_);
+      const double loss = window_loss.value();  // the one read of the device between log lines
       stats.reserved.peak = std::max(stats.reserved.peak, carried_peak);
       carried_peak = 0;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       nlohmann::json line{{"step", step},
                           {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
-                          {"loss", window_loss},
+                          {"loss", loss},
                           {"learning_rate", lr},
                           {"grad_norm", norm.norm},
                           {"samples", samples},
@@ -479,31 +545,32 @@ TrainOutput Trainer::train() {
         const int width = 30;
         const int done = static_cast<int>(width * step / total_steps);
         out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
-                           std::string(width - done, ' '), step, total_steps, window_loss, lr,
+                           std::string(width - done, ' '), step, total_steps, loss, lr,
                            format_bytes(stats.reserved.peak - baseline_));
         out << scale_text;
         if (step == total_steps) out << "\n";
       } else {
         out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
                            "micro {} x {} | peak {} (predicted {})",
-                           step, total_steps, line["epoch"].get<double>(), window_loss, lr, norm.norm,
+                           step, total_steps, line["epoch"].get<double>(), loss, lr, norm.norm,
                            plan_.micro_batch_size, micro_batches, format_bytes(stats.reserved.peak - baseline_),
                            plan_.predicted_peak > 0 ? format_bytes(plan_.predicted_peak) : std::string("-"));
         out << scale_text << "\n";
       }
       out.flush();
-      reset_peak_memory_stats(kCPU);
+      reset_peak_memory_stats(device_);
     }
     if (eval_set_ && args_.eval_strategy == "steps" && step % eval_every == 0) last_eval = evaluate_now();
     if (args_.save_strategy == "steps" && step % args_.save_steps == 0) save();
     if (on_step_) on_step_(step);
   }
+  for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // none pending after a logged last step
   if (eval_set_ && args_.eval_strategy == "epoch" && window >= windows_per_epoch) last_eval = evaluate_now();
   save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
 
   TrainOutput result;
   result.global_step = step;
-  result.training_loss = step > 0 ? loss_sum / static_cast<double>(step) : 0.0;
+  result.training_loss = step > 0 ? loss_total.value() / static_cast<double>(step) : 0.0;
   result.metrics = last_eval;
   result.oom_splits = oom_splits;
   result.skipped_steps = skipped;
@@ -524,14 +591,15 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       std::int64_t items = 0;
       std::vector<Tensor> logits, labels;
       bool token_labels = false;
-      while (auto batch = loader.next()) {
-        nn::ModelOutput o = model_->forward(model_inputs(batch->inputs), batch->labels);
-        loss_sum += o.loss.item() * static_cast<double>(batch->num_items);
-        items += batch->num_items;
-        token_labels = batch->labels.dim() > 1;
-        if (collect) {
-          logits.push_back(o.logits);
-          labels.push_back(batch->labels);
+      while (auto host_batch = loader.next()) {
+        const Batch batch = host_batch->to(device_);
+        nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
+        loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
+        items += batch.num_items;
+        token_labels = batch.labels.dim() > 1;
+        if (collect) {  // held on the host: compute_metrics reads them there
+          logits.push_back(o.logits.to(kCPU));
+          labels.push_back(host_batch->labels);
         }
       }
       model_->train(was_training);
@@ -558,12 +626,12 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
 
 Metrics Trainer::evaluate() {
   MB_CHECK(eval_set_ != nullptr, "[Trainer] evaluate() needs an eval_dataset");
-  BudgetGuard budget(baseline_, args_.memory_budget);
+  BudgetGuard budget(device_, baseline_, args_.memory_budget);
   return run_evaluation(*eval_set_, nullptr);
 }
 
 PredictionOutput Trainer::predict(const Dataset& data) {
-  BudgetGuard budget(baseline_, args_.memory_budget);
+  BudgetGuard budget(device_, baseline_, args_.memory_budget);
   PredictionOutput out;
   Metrics m = run_evaluation(data, &out);
   for (auto& [k, v] : m) out.metrics["test_" + k.substr(5)] = v;

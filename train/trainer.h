@@ -9,7 +9,15 @@
 // Note [What the budget covers]: memory_budget bounds the training's own memory — weights,
 // gradients, optimizer state, activations, batches and the allocator's cache — counted from what
 // was already reserved when the Trainer was made (the caller's dataset tensors, say). The allocator
-// enforces baseline + memory_budget, and logged peaks are measured above that baseline.
+// enforces baseline + memory_budget, and logged peaks are measured above that baseline. All of it
+// is the training device's memory (its allocator; on a GPU, not the host's), less what the device
+// holds outside the allocator (Note [Outside the allocator] in train/planner.cpp).
+//
+// Note [Training on a device]: the model, its arenas, the optimizer state and every micro-batch live
+// on args.training_device() (cuda:0 when present unless use_cpu, as Hugging Face's Trainer). Batches
+// are collated on the host and copied once per micro-batch; losses are summed on the device and read
+// only when a log line or a checkpoint needs them, so the host never waits for the device between
+// micro-batches. Evaluation reads its losses as it goes, and hands compute_metrics host tensors.
 #pragma once
 
 #include <functional>
@@ -38,9 +46,16 @@ using ComputeMetrics = std::function<Metrics(const EvalPrediction&)>;
 /// predictions, for class logits (N, C) and labels (N).
 Metrics classification_metrics(const EvalPrediction& prediction);
 
-/// Builds the model (as Hugging Face's model_init): the Trainer calls it once for training, and
-/// the planner calls it to measure copies on the meta device.
+/// Builds the model (as Hugging Face's model_init): the Trainer calls it once for training (and
+/// moves what it returns to the training device), and the planner calls it to measure copies on the
+/// meta device (under nn::DeviceScope(kMeta)).
 using ModelInit = std::function<std::unique_ptr<nn::Model>()>;
+
+/// The micro-batch schedule a Trainer with these arguments uses on `device`: planned on the meta
+/// device against memory_budget when one is set, else args' own split. It touches no device, so a
+/// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`).
+MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args, const Dataset& train_set,
+                         Device device);
 
 struct TrainOutput {
   std::int64_t global_step = 0;
@@ -72,6 +87,8 @@ class Trainer {
 
   nn::Model& model() { return *model_; }
   const TrainingArguments& args() const { return args_; }
+  /// Where training runs (Note [Training on a device]).
+  Device device() const { return device_; }
   /// The micro-batch schedule in use (planned when memory_budget is set).
   const MemoryPlan& plan() const { return plan_; }
   void set_step_callback(StepCallback callback) { on_step_ = std::move(callback); }
@@ -93,7 +110,8 @@ class Trainer {
   StepCallback on_step_;
   std::ostream* log_stream_;
   std::int64_t eval_batch_size_;
-  std::int64_t baseline_ = 0;  // CPU bytes reserved before the Trainer (Note [What the budget covers])
+  Device device_ = kCPU;       // args.training_device()
+  std::int64_t baseline_ = 0;  // device bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16
   Tensor model_inputs(const Tensor& inputs) const;
   std::optional<DType> gradient_dtype() const;

@@ -65,6 +65,32 @@ void TrainingArguments::validate() const {
   MB_CHECK(loss_scale_floor > 0, "[TrainingArguments] loss_scale_floor must be > 0, got {}", loss_scale_floor);
   optim::parse_schedule(lr_scheduler_type);
   resolve_batch_triad(*this);
+  requested_device();
+}
+
+Device TrainingArguments::requested_device() const {
+  if (device.empty()) return !use_cpu && cuda_available() ? cuda_device(0) : kCPU;
+  Device d;
+  try {
+    d = parse_device(device);
+  } catch (const Error&) {
+    d = kMeta;  // refused just below, with the arguments' own message
+  }
+  MB_CHECK(!d.is_meta(), "[TrainingArguments] device must be cpu, cuda or cuda:N, got '{}'", device);
+  MB_CHECK(!(use_cpu && d.is_cuda()), "[TrainingArguments] use_cpu and device = '{}' disagree: give one of them",
+           device);
+  return d;
+}
+
+Device TrainingArguments::training_device() const {
+  const Device d = requested_device();
+  if (d.is_cuda()) {
+    const int count = cuda_device_count();
+    MB_CHECK(d.index < count, "[TrainingArguments] device {} is not present: {}; train with use_cpu or device = cpu",
+             d.str(), count == 0 ? std::string("no CUDA device here (or this build has no CUDA backend)")
+                                 : fmt::format("this machine has {} CUDA device(s)", count));
+  }
+  return d;
 }
 
 BatchTriad resolve_batch_triad(const TrainingArguments& a) {
@@ -126,6 +152,8 @@ nlohmann::json TrainingArguments::to_json() const {
   j["gradient_checkpointing"] = gradient_checkpointing;
   j["pack_by_tokens"] = pack_by_tokens;
   j["seed"] = seed;
+  j["use_cpu"] = use_cpu;
+  j["device"] = device;
   return j;
 }
 
@@ -189,6 +217,8 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("gradient_checkpointing", a.gradient_checkpointing);
   get("pack_by_tokens", a.pack_by_tokens);
   get("seed", a.seed);
+  get("use_cpu", a.use_cpu);
+  get("device", a.device);
   get("json", a.json);
   return a;
 }

@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/device.h"
+
 namespace microbatch::train {
 
 /// per_device_train_batch_size = kAutoBatch: the memory planner chooses it.
@@ -51,10 +53,19 @@ struct TrainingArguments {
   /// padded tokens (rows x longest row <= the plan's tokens) rather than by a count of sequences.
   bool pack_by_tokens = true;
   std::uint64_t seed = 42;
+  bool use_cpu = false;                          // train on the CPU even when a CUDA device is present
+  std::string device;                            // "cpu", "cuda" or "cuda:N" (not a Hugging Face name);
+                                                 // empty: cuda:0 when present and not use_cpu, else cpu
   bool json = false;                             // log lines as JSON (not a Hugging Face name)
 
   /// Throws microbatch::Error naming the first inconsistent or out-of-range argument.
   void validate() const;
+  /// Where the run goes, as asked: `device` when given, else cuda:0 when a CUDA device is present
+  /// and use_cpu is false, else the CPU. Whether a named CUDA device exists is not checked here:
+  /// planning for it needs none.
+  Device requested_device() const;
+  /// requested_device(), checked to be present on this machine: where training runs.
+  Device training_device() const;
   nlohmann::json to_json() const;
   /// Reads the arguments from JSON objects with these names; unknown names are refused.
   static TrainingArguments from_json(const nlohmann::json& j);

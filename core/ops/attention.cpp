@@ -1,6 +1,11 @@
-// Scaled dot-product attention, composed from matmul, masked_fill, softmax, dropout and matmul, so
-// its backward is the composition's (every gradient written fresh by those ops). A fused kernel may
-// replace it once a benchmark shows the gain; this composition then stays as its test reference.
+// Scaled dot-product attention. On CUDA (and on meta standing in for it), without dropout and with
+// D = Dv <= 128, one fused kernel (kernels/attention.h) computes it tile by tile and saves q, k, v,
+// out and one log-sum-exp per query; its backward recomputes the scores and writes dq, dk, dv
+// fresh. Everywhere else it is composed from matmul, masked_fill, softmax, dropout and matmul, so
+// its backward is the composition's (every gradient written fresh by those ops), which saves the
+// (T, S) probabilities; the composition is also the fused kernel's test reference.
+#include "kernels/attention.h"
+
 #include <cmath>
 #include <limits>
 
@@ -10,10 +15,81 @@
 
 namespace microbatch {
 
+namespace {
+
+constexpr const char* kOp = "scaled_dot_product_attention";
+
+// Whether the fused kernel takes this call. It depends on shapes, dtypes and backend_of alone, so
+// that a meta tensor standing in for a CUDA one makes the same choice (Note [Meta mirrors a
+// backend]).
+bool takes_fused(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o) {
+  const std::int64_t d = q.shape().back();
+  return backend_of(q.device()) == Backend::cuda && o.dropout_p == 0.0 &&
+         q.dtype() != DType::f64 && d <= kernels::kAttentionMaxHeadDim && v.shape().back() == d &&
+         q.numel() > 0 && k.numel() > 0;
+}
+
+// The kernel reads rows with unit stride along D; any other strides are taken as they are.
+Tensor unit_stride_rows(const Tensor& t) {
+  return t.shape().back() == 1 || t.strides().back() == 1 ? t : t.contiguous();
+}
+
+// Saves q, k, v, out and lse (.., T) f32; backward writes dq, dk, dv (and a (.., T) f32 delta).
+Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
+                       bool causal) {
+  const kernels::AttentionArgs args{.scale = scale, .causal = causal};
+  Tensor qc, kc, vc;
+  {
+    NoGradGuard no_grad;
+    qc = unit_stride_rows(q);
+    kc = unit_stride_rows(k);
+    vc = unit_stride_rows(v);
+  }
+  const Shape rows_shape(q.shape().begin(), q.shape().end() - 1);  // (.., T)
+  Tensor o = empty(q.shape(), {.dtype = q.dtype(), .device = q.device()});  // (.., T, D)
+  Tensor lse = empty(rows_shape, {.dtype = DType::f32, .device = q.device()});  // (.., T)
+  launch(
+      kOp, q.device(), [] { MB_ASSERT(false, "the fused attention kernel has no CPU version"); },
+      [&] {
+        kernels::cuda::attention_forward(qc.kview(), kc.kview(), vc.kview(), o.kview(),
+                                         lse.kview(), args);
+      });
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = o.detach();
+  }
+  // Saves the output's buffer o, a different handle from the returned one, so that the node does
+  // not keep itself alive through its own output.
+  record(kOp, {q, k, v}, out,
+         [sq = SavedTensor(qc, kOp), sk = SavedTensor(kc, kOp), sv = SavedTensor(vc, kOp),
+          so = SavedTensor(o, kOp), lse, rows_shape, args](const Tensor& g) {
+           Tensor qv = sq.get(), kv = sk.get(), vv = sv.get(), ov = so.get();
+           Tensor dout = unit_stride_rows(g.dtype() == ov.dtype() ? g : g.to(ov.dtype()));
+           const TensorOptions like{.dtype = qv.dtype(), .device = qv.device()};
+           Tensor delta =
+               empty(rows_shape, {.dtype = DType::f32, .device = qv.device()});  // (.., T)
+           Tensor dq = empty(qv.shape(), like), dk = empty(kv.shape(), like),
+                  dv = empty(vv.shape(), like);
+           launch(
+               kOp, qv.device(),
+               [] { MB_ASSERT(false, "the fused attention kernel has no CPU version"); },
+               [&] {
+                 kernels::cuda::attention_backward(qv.kview(), kv.kview(), vv.kview(), ov.kview(),
+                                                   dout.kview(), lse.kview(), delta.kview(),
+                                                   dq.kview(), dk.kview(), dv.kview(), args);
+               });
+           return std::vector<Tensor>{dq, dk, dv};
+         });
+  return out;
+}
+
+}  // namespace
+
 // q (B, H, T, D) or (B, T, D); k (.., S, D); v (.., S, Dv) -> (.., T, Dv).
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     AttentionOptions options) {
-  constexpr const char* op = "scaled_dot_product_attention";
+  constexpr const char* op = kOp;
   check_same_device(op, {q, k, v});
   check_floating(op, q);
   MB_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype(),
@@ -39,6 +115,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   MB_CHECK(options.dropout_p >= 0.0 && options.dropout_p <= 1.0,
            "[{}] dropout_p must be in [0, 1], got {}", op, options.dropout_p);
   const double scale = options.scale.value_or(1.0 / std::sqrt(static_cast<double>(d)));
+  if (takes_fused(q, k, v, options)) return fused_attention(q, k, v, scale, options.causal);
 
   // Scaling q (T x D) rather than the scores (T x S) keeps the T x S tensors saved for backward to
   // the softmax output alone.

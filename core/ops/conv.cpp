@@ -1,7 +1,17 @@
-// conv2d (im2col + GEMM, one image at a time) and max_pool2d, each with its backward below.
-// Backward writes fresh tensors (activation and parameter gradients alike are overwritten here;
-// the engine accumulates into leaves). 16-bit inputs are widened to f32 for the math and the
-// result is rounded once, as matmul does.
+// conv2d (im2col + GEMM, one image at a time; cuDNN on CUDA where the build has it) and
+// max_pool2d, each with its backward below. Backward writes fresh tensors (activation and
+// parameter gradients alike are overwritten here; the engine accumulates into leaves). 16-bit
+// inputs are computed in f32 and the result is rounded once, as matmul does.
+//
+// Note [cuDNN convolutions]: in a build with cuDNN (kernels::cuda::has_cudnn()), conv2d on CUDA
+// runs cudnnConvolutionForward / BackwardData / BackwardFilter over the whole batch, reading and
+// writing the tensors' own dtype (16-bit with f32 math), so no f32 copies of x, weight or dy are
+// made. Their workspace is a tensor the op allocates, as large as the im2col path's column buffer
+// (cudnn_workspace): the cuDNN path never needs more memory than the other, and meta can size it
+// without asking cuDNN. The fastest deterministic algorithm that fits runs; where none does (or a
+// tensor is empty or past cuDNN's int sizes) the kernel says so and the op runs the im2col path
+// instead, the one case meta does not foresee. Without cuDNN, and on the CPU, the im2col path runs; its code
+// is the same on both backends (Im2colKernels).
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -17,6 +27,47 @@ using kernels::Window2d;
 namespace {
 
 DType math_dtype(DType dt) { return dt == DType::f64 ? DType::f64 : DType::f32; }
+
+// The kernels the im2col path calls, all from one backend.
+struct Im2colKernels {
+  void (*im2col)(const StridedView&, const StridedView&, const Window2d&);
+  void (*col2im)(const StridedView&, const StridedView&, const Window2d&);
+  void (*gemm)(const StridedView&, const StridedView&, const StridedView&, double, double);
+  void (*fill)(const StridedView&, double);
+  void (*copy)(const StridedView&, const StridedView&);
+};
+constexpr Im2colKernels kCpuKernels{kernels::cpu::im2col, kernels::cpu::col2im, kernels::cpu::gemm,
+                                    kernels::cpu::fill, kernels::cpu::copy};
+constexpr Im2colKernels kCudaKernels{kernels::cuda::im2col, kernels::cuda::col2im,
+                                     kernels::cuda::gemm, kernels::cuda::fill, kernels::cuda::copy};
+
+// Runs body(kernels) with the kernels of the device's backend (nothing on meta).
+template <class Body>
+void launch_im2col(const char* op, Device device, Body&& body) {
+  launch(op, device, [&] { body(kCpuKernels); }, [&] { body(kCudaKernels); });
+}
+
+// Whether conv2d on this device takes the cuDNN path (Note [cuDNN convolutions]).
+bool uses_cudnn(Device device) {
+  return backend_of(device) == Backend::cuda && kernels::cuda::has_cudnn();
+}
+
+// Scratch for a cuDNN convolution: the bytes of the im2col path's column buffer.
+Tensor cudnn_workspace(const Window2d& w, DType dtype, Device device) {
+  const auto element = static_cast<std::int64_t>(dtype_size(math_dtype(dtype)));
+  const std::int64_t bytes = w.col_rows() * w.col_cols() * element;
+  return empty({bytes}, {.dtype = DType::u8, .device = device});
+}
+
+// Runs a cuDNN kernel on CUDA; meta runs nothing and takes the cuDNN path as run. Returns whether
+// the kernel ran (false: no algorithm fitted, the caller falls back to im2col).
+template <class Fn>
+bool launch_cudnn(const char* op, Device device, Fn&& fn) {
+  bool ran = true;
+  launch(op, device, [&] { MB_ASSERT(false, "[{}] the cuDNN path does not run on the CPU", op); },
+         [&] { ran = fn(); });
+  return ran;
+}
 
 // Item n of a view's leading dim, with that dim removed: (N, ...) -> (...).
 StridedView drop_first(StridedView v, std::int64_t n) {
@@ -74,11 +125,11 @@ Tensor conv2d_dweight(const Tensor& dy, const Tensor& x, const Window2d& w, cons
   const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
   Tensor dweight = zeros({1, weight_shape[0], rows}, {.dtype = math, .device = x.device()});  // (1, O, Ckk)
   Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
-  launch("conv2d", x.device(), [&] {
+  launch_im2col("conv2d", x.device(), [&](const Im2colKernels& k) {
     const StridedView xv = x.kview(), gv = dy.kview(), cv = col.kview(), dwv = dweight.kview();
     for (std::int64_t n = 0; n < batch; ++n) {
-      kernels::cpu::im2col(drop_first(xv, n), matrix(cv), w);
-      kernels::cpu::gemm(keep_one(gv, n), transposed(cv), dwv, 1.0, 1.0);
+      k.im2col(drop_first(xv, n), matrix(cv), w);
+      k.gemm(keep_one(gv, n), transposed(cv), dwv, 1.0, 1.0);
     }
   });
   Tensor out = dweight.view(weight_shape);
@@ -96,17 +147,94 @@ Tensor conv2d_dx(const Tensor& dy, const Tensor& weight, const Window2d& w, cons
   // 16-bit: each image's gradient is summed in an f32 plane, then rounded once into dx.
   Tensor image = math == dtype ? Tensor() : empty({x_shape[1], x_shape[2], x_shape[3]},
                                                  {.dtype = math, .device = dy.device()});
-  launch("conv2d", dy.device(), [&] {
+  launch_im2col("conv2d", dy.device(), [&](const Im2colKernels& k) {
     const StridedView gv = dy.kview(), dv = dcol.kview(), xv = dx.kview();
     for (std::int64_t n = 0; n < batch; ++n) {
-      kernels::cpu::gemm(transposed(wm.kview()), keep_one(gv, n), dv, 1.0, 0.0);
+      k.gemm(transposed(wm.kview()), keep_one(gv, n), dv, 1.0, 0.0);
       const StridedView target = image.defined() ? image.kview() : drop_first(xv, n);
-      kernels::cpu::fill(target, 0.0);
-      kernels::cpu::col2im(matrix(dv), target, w);
-      if (image.defined()) kernels::cpu::copy(drop_first(xv, n), target);
+      k.fill(target, 0.0);
+      k.col2im(matrix(dv), target, w);
+      if (image.defined()) k.copy(drop_first(xv, n), target);
     }
   });
   return dx;
+}
+
+// out (N, O, H', W') = conv(x, weight) + bias through cuDNN; false when it could not run.
+bool conv2d_forward_cudnn(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& out,
+                          const Window2d& w) {
+  NoGradGuard no_grad;
+  const Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const Tensor workspace = cudnn_workspace(w, x.dtype(), x.device());
+  // With a bias, cuDNN adds onto rows pre-filled with it (beta = 1), rounding once.
+  if (bias.defined()) out.copy_(bias.reshape({1, weight.shape()[0], 1, 1}).expand(out.shape()));
+  return launch_cudnn("conv2d", x.device(), [&] {
+    return kernels::cuda::conv2d_forward(xc.kview(), wc.kview(), out.kview(), workspace.kview(), w,
+                                         bias.defined() ? 1.0 : 0.0);
+  });
+}
+
+// dx (N, C, H, W) through cuDNN, in dy's dtype; undefined when it could not run.
+Tensor conv2d_dx_cudnn(const Tensor& dy, const Tensor& weight, const Window2d& w,
+                       const Shape& x_shape) {
+  const Tensor wc = weight.contiguous();
+  const Tensor workspace = cudnn_workspace(w, dy.dtype(), dy.device());
+  Tensor dx = empty(x_shape, {.dtype = dy.dtype(), .device = dy.device()});
+  const bool ran = launch_cudnn("conv2d", dy.device(), [&] {
+    return kernels::cuda::conv2d_backward_data(wc.kview(), dy.kview(), dx.kview(),
+                                               workspace.kview(), w);
+  });
+  return ran ? dx : Tensor();
+}
+
+// dweight (O, C, kH, kW) through cuDNN, in dy's dtype; undefined when it could not run.
+Tensor conv2d_dweight_cudnn(const Tensor& dy, const Tensor& x, const Window2d& w,
+                            const Shape& weight_shape) {
+  const Tensor xc = x.contiguous();
+  const Tensor workspace = cudnn_workspace(w, dy.dtype(), dy.device());
+  Tensor dweight = empty(weight_shape, {.dtype = dy.dtype(), .device = dy.device()});
+  const bool ran = launch_cudnn("conv2d", dy.device(), [&] {
+    return kernels::cuda::conv2d_backward_filter(xc.kview(), dy.kview(), dweight.kview(),
+                                                 workspace.kview(), w);
+  });
+  return ran ? dweight : Tensor();
+}
+
+// out (N, O, H', W') = conv(x, weight) + bias by im2col + GEMM, one image at a time.
+void conv2d_forward_im2col(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                           const Tensor& out, const Window2d& w) {
+  const DType dtype = x.dtype(), math = math_dtype(dtype);
+  const std::int64_t channels_out = weight.shape()[0];
+  const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
+  Tensor wm, bm;  // weight (1, O, CkHkW) and bias (O) in the math dtype
+  {
+    NoGradGuard no_grad;
+    wm = weight.to(math).contiguous().view({1, channels_out, rows});
+    if (bias.defined()) bm = bias.to(math);
+  }
+  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
+  // 16-bit: each image is computed in f32 and rounded once into out.
+  Tensor acc = math == dtype ? Tensor() : empty({1, channels_out, cols}, {.dtype = math, .device = x.device()});
+  launch_im2col("conv2d", x.device(), [&](const Im2colKernels& k) {
+    const StridedView xv = x.kview(), cv = col.kview();
+    StridedView ov = out.kview();
+    ov.ndim = 3, ov.shape[2] = cols, ov.strides[1] = cols, ov.strides[2] = 1;  // (N, O, H'W')
+    StridedView bias_rows;  // (1, O, H'W'), bias broadcast along each row
+    if (bm.defined()) {
+      bias_rows = bm.kview();
+      bias_rows.ndim = 3;
+      bias_rows.shape[0] = 1, bias_rows.shape[1] = channels_out, bias_rows.shape[2] = cols;
+      bias_rows.strides[0] = 0, bias_rows.strides[1] = bm.strides()[0], bias_rows.strides[2] = 0;
+    }
+    for (std::int64_t n = 0; n < batch; ++n) {
+      k.im2col(drop_first(xv, n), matrix(cv), w);
+      const StridedView target = acc.defined() ? acc.kview() : keep_one(ov, n);
+      // With a bias, the GEMM adds onto rows pre-filled with it (beta = 1): no extra pass.
+      if (bm.defined()) k.copy(target, bias_rows);
+      k.gemm(wm.kview(), cv, target, 1.0, bm.defined() ? 1.0 : 0.0);
+      if (acc.defined()) k.copy(keep_one(ov, n), target);
+    }
+  });
 }
 
 }  // namespace
@@ -133,38 +261,10 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Conv2dO
   const Window2d w = plan_window("conv2d", x, weight.shape()[2], weight.shape()[3], options.stride,
                                  options.padding);
   const DType dtype = x.dtype(), math = math_dtype(dtype);
-  const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
-
-  Tensor out = empty({batch, channels_out, w.out_h, w.out_w}, {.dtype = dtype, .device = x.device()});
-  Tensor wm, bm;  // weight (1, O, CkHkW) and bias (O) in the math dtype
-  {
-    NoGradGuard no_grad;
-    wm = weight.to(math).contiguous().view({1, channels_out, rows});
-    if (bias.defined()) bm = bias.to(math);
-  }
-  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
-  // 16-bit: each image is computed in f32 and rounded once into out.
-  Tensor acc = math == dtype ? Tensor() : empty({1, channels_out, cols}, {.dtype = math, .device = x.device()});
-  launch("conv2d", x.device(), [&] {
-    const StridedView xv = x.kview(), cv = col.kview();
-    StridedView ov = out.kview();
-    ov.ndim = 3, ov.shape[2] = cols, ov.strides[1] = cols, ov.strides[2] = 1;  // (N, O, H'W')
-    StridedView bias_rows;  // (1, O, H'W'), bias broadcast along each row
-    if (bm.defined()) {
-      bias_rows = bm.kview();
-      bias_rows.ndim = 3;
-      bias_rows.shape[0] = 1, bias_rows.shape[1] = channels_out, bias_rows.shape[2] = cols;
-      bias_rows.strides[0] = 0, bias_rows.strides[1] = bm.strides()[0], bias_rows.strides[2] = 0;
-    }
-    for (std::int64_t n = 0; n < batch; ++n) {
-      kernels::cpu::im2col(drop_first(xv, n), matrix(cv), w);
-      const StridedView target = acc.defined() ? acc.kview() : keep_one(ov, n);
-      // With a bias, the GEMM adds onto rows pre-filled with it (beta = 1): no extra pass.
-      if (bm.defined()) kernels::cpu::copy(target, bias_rows);
-      kernels::cpu::gemm(wm.kview(), cv, target, 1.0, bm.defined() ? 1.0 : 0.0);
-      if (acc.defined()) kernels::cpu::copy(keep_one(ov, n), target);
-    }
-  });
+  Tensor out = empty({x.shape()[0], channels_out, w.out_h, w.out_w},
+                     {.dtype = dtype, .device = x.device()});
+  if (!uses_cudnn(x.device()) || !conv2d_forward_cudnn(x, weight, bias, out, w))
+    conv2d_forward_im2col(x, weight, bias, out, w);
 
   record("conv2d", {x, weight, bias}, out,
          // dweight needs x and dx needs the weight: each is kept only when its partner is wanted.
@@ -172,10 +272,20 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Conv2dO
           sw = x.requires_grad() ? SavedTensor(weight, "conv2d") : SavedTensor(), w, math,
           x_shape = x.shape(), weight_shape = weight.shape(), rx = x.requires_grad(),
           rw = weight.requires_grad(), rb = bias.defined() && bias.requires_grad()](const Tensor& g) {
-           const Tensor dy = g.to(math).contiguous().view({x_shape[0], weight_shape[0], w.col_cols()});
            Tensor dx, dweight, dbias;
-           if (rx) dx = conv2d_dx(dy, sw.get(), w, x_shape, g.dtype());
-           if (rw) dweight = conv2d_dweight(dy, sx.get(), w, weight_shape, g.dtype());
+           const bool cudnn = uses_cudnn(g.device());
+           if (cudnn) {
+             const Tensor dy = g.contiguous();  // (N, O, H', W') in g's dtype
+             if (rx) dx = conv2d_dx_cudnn(dy, sw.get(), w, x_shape);
+             if (rw) dweight = conv2d_dweight_cudnn(dy, sx.get(), w, weight_shape);
+           }
+           if (!cudnn || (rx && !dx.defined()) || (rw && !dweight.defined())) {
+             const Tensor dy =  // (N, O, H'W') in the math dtype
+                 g.to(math).contiguous().view({x_shape[0], weight_shape[0], w.col_cols()});
+             if (rx && !dx.defined()) dx = conv2d_dx(dy, sw.get(), w, x_shape, g.dtype());
+             if (rw && !dweight.defined())
+               dweight = conv2d_dweight(dy, sx.get(), w, weight_shape, g.dtype());
+           }
            if (rb) dbias = sum(g, {0, 2, 3});
            return std::vector<Tensor>{dx, dweight, dbias};
          });
@@ -196,16 +306,20 @@ Tensor max_pool2d(const Tensor& x, MaxPool2dOptions options) {
   const Shape out_shape{x.shape()[0], w.channels, w.out_h, w.out_w};
   Tensor out = empty(out_shape, {.dtype = x.dtype(), .device = x.device()});
   Tensor indices = empty(out_shape, {.dtype = DType::i64, .device = x.device()});  // h * W + w
-  launch("max_pool2d", x.device(),
-         [&] { kernels::cpu::max_pool2d(x.kview(), out.kview(), indices.kview(), w); });
+  launch(
+      "max_pool2d", x.device(),
+      [&] { kernels::cpu::max_pool2d(x.kview(), out.kview(), indices.kview(), w); },
+      [&] { kernels::cuda::max_pool2d(x.kview(), out.kview(), indices.kview(), w); });
 
   // The backward needs only where each maximum was, not x.
   record("max_pool2d", {x}, out, [indices, w, x_shape = x.shape()](const Tensor& g) {
     const DType math = math_dtype(g.dtype());
     const Tensor dy = g.to(math);
     Tensor dx = zeros(x_shape, {.dtype = math, .device = g.device()});
-    launch("max_pool2d", g.device(),
-           [&] { kernels::cpu::max_pool2d_backward(dy.kview(), indices.kview(), dx.kview(), w); });
+    launch(
+        "max_pool2d", g.device(),
+        [&] { kernels::cpu::max_pool2d_backward(dy.kview(), indices.kview(), dx.kview(), w); },
+        [&] { kernels::cuda::max_pool2d_backward(dy.kview(), indices.kview(), dx.kview(), w); });
     return std::vector<Tensor>{dx.dtype() == g.dtype() ? dx : dx.to(g.dtype())};
   });
   return out;

@@ -17,7 +17,9 @@ namespace {
 
 Tensor unary_kernel(const char* op, UnaryOp kind, const Tensor& a) {
   Tensor out = empty(a.shape(), {.dtype = a.dtype(), .device = a.device()});
-  launch(op, a.device(), [&] { kernels::cpu::unary(kind, out.kview(), a.kview()); });
+  launch(
+      op, a.device(), [&] { kernels::cpu::unary(kind, out.kview(), a.kview()); },
+      [&] { kernels::cuda::unary(kind, out.kview(), a.kview()); });
   return out;
 }
 
@@ -42,7 +44,9 @@ Tensor binary_kernel(const char* op, BinaryOp kind, const Tensor& a, const Tenso
     y = y.expand(shape);
   }
   Tensor out = empty(shape, {.dtype = out_dtype.value_or(common), .device = a.device()});
-  launch(op, a.device(), [&] { kernels::cpu::binary(kind, out.kview(), x.kview(), y.kview()); });
+  launch(
+      op, a.device(), [&] { kernels::cpu::binary(kind, out.kview(), x.kview(), y.kview()); },
+      [&] { kernels::cuda::binary(kind, out.kview(), x.kview(), y.kview()); });
   return out;
 }
 
@@ -261,7 +265,10 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
     y = (b.dtype() == common ? b : b.to(common)).expand(shape);
   }
   Tensor out = empty(shape, {.dtype = common, .device = a.device()});
-  launch("where", a.device(), [&] { kernels::cpu::where(out.kview(), c.kview(), x.kview(), y.kview()); });
+  launch(
+      "where", a.device(),
+      [&] { kernels::cpu::where(out.kview(), c.kview(), x.kview(), y.kview()); },
+      [&] { kernels::cuda::where(out.kview(), c.kview(), x.kview(), y.kview()); });
   record("where", {a, b}, out, [cond, a = meta_of(a), b = meta_of(b)](const Tensor& g) {
     Tensor zero = zeros_like(g);
     return std::vector<Tensor>{reduce_grad(where(cond, g, zero), a), reduce_grad(where(cond, zero, g), b)};
@@ -289,11 +296,9 @@ Tensor masked_fill(const Tensor& a, const Tensor& mask, double value) {
 Tensor cast(const Tensor& a, DType dtype) {
   if (a.dtype() == dtype) return a;
   Tensor out = empty(a.shape(), {.dtype = dtype, .device = a.device()});
-  if (a.device().is_cuda()) {
-    MB_CHECK(false, "[cast] has no CUDA kernel in this build yet ({} to {})", dtype_name(a.dtype()),
-             dtype_name(dtype));
-  }
-  launch("cast", a.device(), [&] { kernels::cpu::copy(out.kview(), a.kview()); });
+  launch(
+      "cast", a.device(), [&] { kernels::cpu::copy(out.kview(), a.kview()); },
+      [&] { kernels::cuda::copy(out.kview(), a.kview()); });
   if (is_floating(dtype)) {
     const DType from = a.dtype();
     record("cast", {a}, out, [from](const Tensor& g) { return std::vector<Tensor>{g.to(from)}; });
@@ -307,8 +312,8 @@ void accumulate_(Tensor& dst, const Tensor& src, double weight) {
            shape_str(dst.shape()), shape_str(src.shape()));
   check_floating("accumulate_", dst);
   check_floating("accumulate_", src);
-  launch("accumulate_", dst.device(),
-         [&] { kernels::cpu::accumulate(dst.kview(), src.kview(), weight); });
+  launch("accumulate_", dst.device(), [&] { kernels::cpu::accumulate(dst.kview(), src.kview(), weight); },
+         [&] { kernels::cuda::accumulate(dst.kview(), src.kview(), weight); });
   dst.bump_version();
 }
 

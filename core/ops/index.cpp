@@ -2,6 +2,8 @@
 // and embedding broadcast their 1-D index over the other dims with stride 0); each backward writes
 // a fresh gradient (overwrites) by scatter-adding the incoming gradient into zeros of the input's
 // shape, so repeated indices accumulate. Index values are checked before any write.
+#include <cstdint>
+
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -18,10 +20,14 @@ void check_index_dtype(const char* op, const Tensor& index) {
 }
 
 // Throws, naming the op, the first bad value, its position and the valid range, when an index
-// leaves [0, size). Meta tensors hold no values and pass.
+// leaves [0, size). On CUDA the check is recorded on the device and raised at the next
+// synchronisation (Note [Deferred index errors] in kernels/index.h). Meta tensors hold no values
+// and pass.
 void check_in_range(const char* op, const Tensor& index, std::int64_t size, int dim) {
   kernels::IndexRangeError err;
-  launch(op, index.device(), [&] { err = kernels::cpu::first_out_of_range(index.kview(), size); });
+  launch(
+      op, index.device(), [&] { err = kernels::cpu::first_out_of_range(index.kview(), size); },
+      [&] { kernels::cuda::check_index_range(index.kview(), size, INT64_MIN, op); });
   MB_CHECK(err.position < 0,
            "[{}] index {} is out of range for dim {} of size {} (valid range [0, {})), at position "
            "{} of the index",
@@ -43,7 +49,9 @@ kernels::StridedView broadcast_index(const Tensor& index, const Shape& shape, in
 Tensor gather_kernel(const char* op, const Tensor& a, const Shape& shape,
                      const kernels::StridedView& index, int dim) {
   Tensor out = empty(shape, {.dtype = a.dtype(), .device = a.device()});
-  launch(op, a.device(), [&] { kernels::cpu::gather(out.kview(), a.kview(), index, dim); });
+  launch(
+      op, a.device(), [&] { kernels::cpu::gather(out.kview(), a.kview(), index, dim); },
+      [&] { kernels::cuda::gather(out.kview(), a.kview(), index, dim); });
   return out;
 }
 
@@ -52,7 +60,9 @@ Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype,
                           const kernels::StridedView& index, int dim) {
   if (g.dtype() != dtype) g = g.to(dtype);
   Tensor dx = zeros(input_shape, {.dtype = dtype, .device = g.device()});
-  launch(op, g.device(), [&] { kernels::cpu::scatter_add(dx.kview(), g.kview(), index, dim); });
+  launch(
+      op, g.device(), [&] { kernels::cpu::scatter_add(dx.kview(), g.kview(), index, dim); },
+      [&] { kernels::cuda::scatter_add(dx.kview(), g.kview(), index, dim); });
   return dx;
 }
 
@@ -77,9 +87,11 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
   out_rows.shape[1] = rows[1];
   out_rows.strides[0] = channels;
   out_rows.strides[1] = 1;
-  launch("embedding", weight.device(), [&] {
-    kernels::cpu::gather(out_rows, weight.kview(), broadcast_index(flat, rows, 0), 0);
-  });
+  const kernels::StridedView index_rows = broadcast_index(flat, rows, 0);
+  launch(
+      "embedding", weight.device(),
+      [&] { kernels::cpu::gather(out_rows, weight.kview(), index_rows, 0); },
+      [&] { kernels::cuda::gather(out_rows, weight.kview(), index_rows, 0); });
 
   record("embedding", {weight}, out,
          [si = SavedTensor(flat, "embedding"), weight_shape = weight.shape(), rows,

@@ -1,5 +1,10 @@
 // matmul (torch.matmul's rules), composed around one batched GEMM op (`bmm`), and linear, a
 // GEMM with the bias added before rounding and a weight gradient that lands in place.
+//
+// Note [16-bit GEMMs by backend]: both backends multiply 16-bit operands with f32 accumulation and
+// round once. The CPU's Eigen GEMM takes f32 or f64 only, so there the op makes f32 copies of
+// 16-bit operands and output; cuBLAS reads and writes 16-bit itself (kernels/gemm.h), so on CUDA no
+// copy is made. A meta tensor takes the path backend_of() names (Note [Meta mirrors a backend]).
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -9,13 +14,22 @@ namespace microbatch {
 
 namespace {
 
-// A view whose two matrix dims have a unit stride on one side, as the GEMM kernel needs.
-Tensor gemm_ready(const Tensor& t) {
+// A view whose two matrix dims the backend's GEMM can read in place (a unit stride on one side;
+// cuBLAS also needs a valid leading dimension, kernels::blas_matrix), or a contiguous copy.
+Tensor gemm_ready(const Tensor& t, Backend backend) {
   const auto& st = t.strides();
   const auto& sh = t.shape();
+  if (backend == Backend::cuda)
+    return kernels::blas_matrix(sh[1], sh[2], st[1], st[2]).ok ? t : t.contiguous();
   const bool row = st[2] == 1 || sh[2] == 1;
   const bool col = st[1] == 1 || sh[1] == 1;
   return (row || col) ? t : t.contiguous();
+}
+
+// The dtype a GEMM on `backend` reads operands of dtype dt in (Note [16-bit GEMMs by backend]).
+DType gemm_math(DType dt, Backend backend) {
+  if (backend == Backend::cuda || dt == DType::f64) return dt;
+  return DType::f32;
 }
 
 // (B, M, K) @ (B, K, N) -> (B, M, N); a batch of size 1 in one operand broadcasts.
@@ -26,20 +40,31 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   MB_CHECK(a.shape()[0] == b.shape()[0] || a.shape()[0] == 1 || b.shape()[0] == 1,
            "[matmul] batch sizes differ: {} @ {}", shape_str(a.shape()), shape_str(b.shape()));
   const DType dt = a.dtype();
+  const Backend backend = backend_of(a.device());
   // 16-bit inputs multiply in f32 and round once at the end.
-  const DType math = dt == DType::f64 ? DType::f64 : DType::f32;
+  const DType math = gemm_math(dt, backend);
   Tensor out = empty({batch, a.shape()[1], b.shape()[2]}, {.dtype = dt, .device = a.device()});
   {
     // The operand copies are made outside launch() so that the meta device sees them too.
     NoGradGuard no_grad;
-    Tensor x = gemm_ready(a.to(math)), y = gemm_ready(b.to(math));
+    Tensor x = gemm_ready(a.to(math), backend), y = gemm_ready(b.to(math), backend);
     Tensor o = math == dt ? out : empty(out.shape(), {.dtype = math, .device = a.device()});
-    launch("matmul", a.device(), [&] {
+    auto views = [&] {
       auto xv = x.kview(), yv = y.kview();
       if (x.shape()[0] == 1) xv.strides[0] = 0, xv.shape[0] = batch;
       if (y.shape()[0] == 1) yv.strides[0] = 0, yv.shape[0] = batch;
-      kernels::cpu::gemm(xv, yv, o.kview(), 1.0, 0.0);
-    });
+      return std::pair{xv, yv};
+    };
+    launch(
+        "matmul", a.device(),
+        [&] {
+          const auto [xv, yv] = views();
+          kernels::cpu::gemm(xv, yv, o.kview(), 1.0, 0.0);
+        },
+        [&] {
+          const auto [xv, yv] = views();
+          kernels::cuda::gemm(xv, yv, o.kview(), 1.0, 0.0);
+        });
     if (!o.same_storage(out)) out.copy_(o);
   }
   record("matmul", {a, b}, out,
@@ -58,6 +83,20 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
            return std::vector<Tensor>{da, db};
          });
   return out;
+}
+
+// The dtype the weight-gradient GEMM reads its operands in when it can add into `grad` directly
+// (Note [Weight-gradient GEMM]), for inputs of dtype `input`; nullopt when it cannot. The CPU
+// accumulates into f32 or f64 from operands converted to that dtype; cuBLAS reads 16-bit operands
+// into an f32 or same-dtype accumulator as they are, and converts others to an f32 or f64 one.
+std::optional<DType> weight_grad_operands(const Tensor& grad, DType input) {
+  if (!grad.is_contiguous() || !is_floating(grad.dtype())) return std::nullopt;
+  const DType acc = grad.dtype();
+  if (backend_of(grad.device()) == Backend::cuda &&
+      (acc == input || (acc == DType::f32 && is_16bit_float(input))))
+    return input;
+  if (is_16bit_float(acc)) return std::nullopt;
+  return acc;
 }
 
 }  // namespace
@@ -111,6 +150,8 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 // alpha = w (the micro-batch's accumulation weight) and beta = 1, so no temporary of the weight's
 // size is allocated and AccumulateGrad has nothing left to do for it. Where that is not allowed
 // (no buffer yet, or grad() is capturing the weight) it returns dweight like any other op.
+// On CUDA, cuBLAS reads 16-bit dy and x as they are and accumulates in f32 into an f32 or
+// same-dtype gradient (weight_grad_operands says which dtypes each backend can take).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   check_same_device("linear", {x, weight, bias});
   check_floating("linear", x);
@@ -128,26 +169,30 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
              dtype_name(x.dtype()));
   }
   const DType dt = x.dtype();
-  const DType math = dt == DType::f64 ? DType::f64 : DType::f32;
+  const Backend backend = backend_of(x.device());
+  const DType math = gemm_math(dt, backend);
   Shape out_shape(x.shape().begin(), x.shape().end() - 1);
   out_shape.push_back(n);
   const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
   Tensor out = empty({m, n}, {.dtype = dt, .device = x.device()});
   {
-    // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once.
-    // The copies are made outside launch() so that the meta device sees them too.
+    // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once
+    // (Note [16-bit GEMMs by backend]). Copies are made outside launch() so that meta sees them.
     NoGradGuard no_grad;
-    Tensor x2 = gemm_ready(x.reshape({1, m, k}).to(math));
-    Tensor w = weight.to(math);
-    Tensor o = math == dt ? out : empty({m, n}, {.dtype = math, .device = x.device()});
+    Tensor x2 = gemm_ready(x.reshape({1, m, k}).to(math), backend);        // (1, M, K)
+    Tensor wt = gemm_ready(weight.to(math).t().unsqueeze(0), backend);     // (1, K, N)
+    Tensor o = math == dt ? out : empty({m, n}, {.dtype = math, .device = x.device()});  // (M, N)
+    // The bias is copied into the output rows and the GEMM adds onto it (beta = 1): one rounding,
+    // no extra pass, and the same on both backends.
     double beta = 0.0;
     if (bias.defined()) {
       o.copy_(bias.expand({m, n}));
       beta = 1.0;
     }
-    launch("linear", x.device(), [&] {
-      kernels::cpu::gemm(x2.kview(), w.t().unsqueeze(0).kview(), o.unsqueeze(0).kview(), 1.0, beta);
-    });
+    launch(
+        "linear", x.device(),
+        [&] { kernels::cpu::gemm(x2.kview(), wt.kview(), o.unsqueeze(0).kview(), 1.0, beta); },
+        [&] { kernels::cuda::gemm(x2.kview(), wt.kview(), o.unsqueeze(0).kview(), 1.0, beta); });
     if (!o.same_storage(out)) out.copy_(o);
   }
   record("linear", {x, weight, bias}, out,
@@ -161,16 +206,20 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
            if (rw) {
              Tensor x2 = sx.get().reshape({m, k});
              Tensor grad = w.grad();
-             // Meta takes this path too, so that its allocations (no dw temporary) match the CPU's.
-             if (accumulates_in_place(w) && (grad.device().is_cpu() || grad.device().is_meta()) &&
-                 grad.is_contiguous() && is_floating(grad.dtype()) && grad.dtype() != DType::f16 &&
-                 grad.dtype() != DType::bf16) {
-               const DType math = grad.dtype();  // f32 or f64 accumulator
-               Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(math));
-               Tensor xm = gemm_ready(x2.unsqueeze(0).to(math));
-               launch("linear", grad.device(), [&] {
-                 kernels::cpu::gemm(gm.kview(), xm.kview(), grad.unsqueeze(0).kview(), grad_weight(), 1.0);
-               });
+             // Meta takes this path too, so that its allocations (no dw temporary) match the
+             // backend it mirrors.
+             const std::optional<DType> operands =
+                 accumulates_in_place(w) ? weight_grad_operands(grad, g2.dtype()) : std::nullopt;
+             if (operands) {
+               const Backend backend = backend_of(grad.device());
+               Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(*operands), backend);  // (1, N, M)
+               Tensor xm = gemm_ready(x2.unsqueeze(0).to(*operands), backend);      // (1, M, K)
+               const double alpha = grad_weight();
+               const Tensor acc = grad.unsqueeze(0);  // (1, N, K)
+               launch(
+                   "linear", grad.device(),
+                   [&] { kernels::cpu::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); },
+                   [&] { kernels::cuda::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); });
                grad.bump_version();
              } else {
                dw = matmul(g2.t(), x2);

@@ -11,6 +11,7 @@
 #include "core/ops/dispatch.h"
 #include "core/rng.h"
 #include "kernels/elementwise.h"
+#include "kernels/index.h"
 
 namespace microbatch {
 
@@ -51,7 +52,9 @@ Tensor softmax_rows(const char* op, SoftmaxKind kind, const Tensor& a, std::int6
     x = (last ? a : a.permute(perm)).contiguous();
   }
   Tensor y = empty(x.shape(), {.dtype = a.dtype(), .device = a.device()});  // (..., cols)
-  launch(op, a.device(), [&] { kernels::cpu::softmax_forward(kind, y.kview(), x.kview(), cols); });
+  launch(
+      op, a.device(), [&] { kernels::cpu::softmax_forward(kind, y.kview(), x.kview(), cols); },
+      [&] { kernels::cuda::softmax_forward(kind, y.kview(), x.kview(), cols); });
   Tensor out;
   {
     NoGradGuard no_grad;
@@ -65,9 +68,14 @@ Tensor softmax_rows(const char* op, SoftmaxKind kind, const Tensor& a, std::int6
            Tensor dy = (last ? g : g.permute(perm)).contiguous();
            if (dy.dtype() != yv.dtype()) dy = dy.to(yv.dtype());
            Tensor dx = empty(yv.shape(), {.dtype = yv.dtype(), .device = yv.device()});
-           launch(op, yv.device(), [&] {
-             kernels::cpu::softmax_backward(kind, dx.kview(), yv.kview(), dy.kview(), cols);
-           });
+           launch(
+               op, yv.device(),
+               [&] {
+                 kernels::cpu::softmax_backward(kind, dx.kview(), yv.kview(), dy.kview(), cols);
+               },
+               [&] {
+                 kernels::cuda::softmax_backward(kind, dx.kview(), yv.kview(), dy.kview(), cols);
+               });
            return std::vector<Tensor>{last ? dx : dx.permute(inverse)};
          });
   return out;
@@ -95,10 +103,19 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
   Tensor rows = empty({n}, {.dtype = math, .device = logits.device()});  // (N) per-row loss
   Tensor stats =
       empty({n, 2}, {.dtype = math, .device = logits.device()});  // (N, 2) row max, log-sum
-  launch("cross_entropy", logits.device(), [&] {
-    kernels::cpu::cross_entropy_forward(rows.kview(), stats.kview(), x.kview(), target.kview(),
-                                        args);
-  });
+  launch(
+      "cross_entropy", logits.device(),
+      [&] {
+        kernels::cpu::cross_entropy_forward(rows.kview(), stats.kview(), x.kview(),
+                                            target.kview(), args);
+      },
+      [&] {
+        // Targets are checked on the device, without waiting for it: a bad one is reported at the
+        // next host copy, and the kernels give its row zeros meanwhile.
+        kernels::cuda::check_index_range(target.kview(), c, options.ignore_index, "cross_entropy");
+        kernels::cuda::cross_entropy_forward(rows.kview(), stats.kview(), x.kview(),
+                                             target.kview(), args);
+      });
 
   Tensor out, count;  // count: 0-d, the number of non-ignored targets (for Mean)
   {
@@ -139,10 +156,16 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
                break;
            }
            Tensor dlogits = empty({n, c}, {.dtype = xv.dtype(), .device = xv.device()});  // (N, C)
-           launch("cross_entropy", xv.device(), [&] {
-             kernels::cpu::cross_entropy_backward(dlogits.kview(), xv.kview(), stats.kview(),
-                                                  tv.kview(), g_row.kview(), args);
-           });
+           launch(
+               "cross_entropy", xv.device(),
+               [&] {
+                 kernels::cpu::cross_entropy_backward(dlogits.kview(), xv.kview(), stats.kview(),
+                                                      tv.kview(), g_row.kview(), args);
+               },
+               [&] {
+                 kernels::cuda::cross_entropy_backward(dlogits.kview(), xv.kview(), stats.kview(),
+                                                       tv.kview(), g_row.kview(), args);
+               });
            return std::vector<Tensor>{dlogits};
          });
   return out;
@@ -224,10 +247,16 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
   Tensor y = empty(x.shape(), {.dtype = x.dtype(), .device = x.device()});
   Tensor mean = empty({rows}, {.dtype = math, .device = x.device()});  // (rows)
   Tensor rstd = empty({rows}, {.dtype = math, .device = x.device()});  // (rows)
-  launch("layer_norm", x.device(), [&] {
-    kernels::cpu::layer_norm_forward(y.kview(), mean.kview(), rstd.kview(), xc.kview(),
-                                     view_or_none(wc), view_or_none(bc), eps);
-  });
+  launch(
+      "layer_norm", x.device(),
+      [&] {
+        kernels::cpu::layer_norm_forward(y.kview(), mean.kview(), rstd.kview(), xc.kview(),
+                                         view_or_none(wc), view_or_none(bc), eps);
+      },
+      [&] {
+        kernels::cuda::layer_norm_forward(y.kview(), mean.kview(), rstd.kview(), xc.kview(),
+                                          view_or_none(wc), view_or_none(bc), eps);
+      });
   // Saves x, the weight and the two per-row statistics (2 * rows values).
   record("layer_norm", {x, weight, bias}, y,
          [sx = SavedTensor(xc, "layer_norm"), sw = SavedTensor(wc, "layer_norm"), mean, rstd,
@@ -241,11 +270,26 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
                rx ? empty(xv.shape(), {.dtype = xv.dtype(), .device = xv.device()}) : Tensor();
            Tensor dweight = rw ? empty({cols}, {.dtype = math, .device = xv.device()}) : Tensor();
            Tensor dbias = rb ? empty({cols}, {.dtype = math, .device = xv.device()}) : Tensor();
-           launch("layer_norm", xv.device(), [&] {
-             kernels::cpu::layer_norm_backward(view_or_none(dx), view_or_none(dweight),
-                                               view_or_none(dbias), dy.kview(), xv.kview(),
-                                               mean.kview(), rstd.kview(), view_or_none(wv));
-           });
+           // CUDA sums dweight and dbias in two fixed-order passes through per-chunk partials
+           // (kernels/nn.h, layer_norm_chunks).
+           Tensor partials;  // (2, chunks, cols)
+           if ((rw || rb) && backend_of(xv.device()) == Backend::cuda) {
+             const std::int64_t chunks = kernels::layer_norm_chunks(mean.numel());
+             partials = empty({2, chunks, cols}, {.dtype = math, .device = xv.device()});
+           }
+           launch(
+               "layer_norm", xv.device(),
+               [&] {
+                 kernels::cpu::layer_norm_backward(view_or_none(dx), view_or_none(dweight),
+                                                   view_or_none(dbias), dy.kview(), xv.kview(),
+                                                   mean.kview(), rstd.kview(), view_or_none(wv));
+               },
+               [&] {
+                 kernels::cuda::layer_norm_backward(
+                     view_or_none(dx), view_or_none(dweight), view_or_none(dbias), dy.kview(),
+                     xv.kview(), mean.kview(), rstd.kview(), view_or_none(wv),
+                     view_or_none(partials));
+               });
            auto finish = [&](const Tensor& t) {
              return t.defined() ? t.reshape(normalized_shape).to(xv.dtype()) : t;
            };
@@ -272,9 +316,10 @@ Tensor dropout(const Tensor& x, double p) {
   const std::uint64_t n = static_cast<std::uint64_t>(x.numel());
   const std::uint64_t seed = default_generator().state().seed;
   const std::uint64_t offset = default_generator().reserve((n + 3) / 4);
-  launch("dropout", x.device(), [&] {
-    kernels::cpu::dropout_mask(mask.kview(), kernels::PhiloxArgs{seed, offset}, p);
-  });
+  launch(
+      "dropout", x.device(),
+      [&] { kernels::cpu::dropout_mask(mask.kview(), kernels::PhiloxArgs{seed, offset}, p); },
+      [&] { kernels::cuda::dropout_mask(mask.kview(), kernels::PhiloxArgs{seed, offset}, p); });
   Tensor out;
   {
     NoGradGuard no_grad;

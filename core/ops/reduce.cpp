@@ -52,7 +52,9 @@ Tensor reduce_kernel(const char* op, kernels::ReduceOp kind, const Tensor& a, co
     x = a.permute(perm).contiguous();
   }
   Tensor out = empty(p.out_shape, {.dtype = out_dtype, .device = a.device()});
-  launch(op, a.device(), [&] { kernels::cpu::reduce_rows(kind, out.kview(), x.kview(), p.inner); });
+  launch(
+      op, a.device(), [&] { kernels::cpu::reduce_rows(kind, out.kview(), x.kview(), p.inner); },
+      [&] { kernels::cuda::reduce_rows(kind, out.kview(), x.kview(), p.inner); });
   return out;
 }
 

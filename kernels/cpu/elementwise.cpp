@@ -238,9 +238,7 @@ void rand_normal(const StridedView& out, PhiloxArgs philox) {
   fill_indexed(out, [&](std::int64_t i) {
     PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 2), philox.seed);
     int lane = 2 * static_cast<int>(i % 2);
-    float u1 = uniform_open0_from_bits(b.v[lane]);
-    float u2 = uniform_from_bits(b.v[lane + 1]);
-    return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853071795864f * u2);
+    return normal_from_bits(b.v[lane], b.v[lane + 1]);  // Note [Portable normals] in core/rng.h
   });
 }
 

@@ -1,1 +1,257 @@
-// kernels/cuda/index.cu: filled in by the CUDA backend work.
+// CUDA indexing kernels: gather (overwrites its output) and scatter_add (accumulates into dst), and
+// the asynchronous index range check of Note [Deferred index errors] (kernels/index.h).
+//
+// gather runs one thread per output element. scatter_add runs one thread per destination line,
+// all coordinates but `dim`: source line c only ever writes destination line c, so the thread that
+// owns it walks `dim` in order and adds without atomics, in the order the CPU adds; repeated
+// indices therefore give the CPU's bits, on every run. Both skip indices outside the valid range
+// rather than touch memory out of bounds; check_index_range reports them.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/device.h"
+#include "kernels/index.h"
+#include "kernels/indexer.h"
+
+namespace microbatch::kernels::cuda {
+
+namespace {
+
+constexpr unsigned long long kNoPosition = ULLONG_MAX;
+
+// One per device, in device memory. A check's kernels lower `scan` to the first bad position, then
+// record_bad_index moves it into the record (unless one is already held) and resets `scan`.
+struct IndexErrorSlot {
+  unsigned long long scan;
+  int recorded;  // 1: position, value, size and op describe an error not yet raised
+  long long position;
+  long long value;
+  long long size;
+  const char* op;  // a string literal on the host, carried through
+};
+
+struct SlotState {
+  IndexErrorSlot* slot = nullptr;
+  bool checked = false;  // a check ran since the last raise_pending_index_error
+};
+
+std::mutex g_slots_mutex;
+
+// Slots live for the whole process, like the device's library handles.
+SlotState& slot_state(int device) {
+  static std::vector<SlotState>* all = new std::vector<SlotState>();
+  if (all->size() <= static_cast<std::size_t>(device)) all->resize(device + 1);
+  return (*all)[device];
+}
+
+// Calls f.template operator()<I>() with I the index type (i32 or i64).
+template <class F>
+void dispatch_index(DType dt, F&& f) {
+  MB_ASSERT(dt == DType::i32 || dt == DType::i64, "index dtype {} is not i32 or i64",
+            dtype_name(dt));
+  if (dt == DType::i32) return f.template operator()<std::int32_t>();
+  return f.template operator()<std::int64_t>();
+}
+
+template <class I>
+__global__ void find_bad_index(IndexErrorSlot* slot, const I* index, Indexer<1> ix, std::int64_t n,
+                               std::int64_t size, std::int64_t allowed) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    std::int64_t off[1];
+    ix.offsets(i, off);
+    const std::int64_t v = index[off[0]];
+    if ((v < 0 || v >= size) && v != allowed) {
+      atomicMin(&slot->scan, static_cast<unsigned long long>(i));
+    }
+  }
+}
+
+template <class I>
+__global__ void record_bad_index(IndexErrorSlot* slot, const I* index, Indexer<1> ix,
+                                 std::int64_t size, const char* op) {
+  const unsigned long long position = slot->scan;
+  if (position == kNoPosition) return;
+  slot->scan = kNoPosition;
+  if (slot->recorded) return;  // the first error stays until it is raised
+  std::int64_t off[1];
+  ix.offsets(static_cast<std::int64_t>(position), off);
+  slot->position = static_cast<long long>(position);
+  slot->value = static_cast<long long>(index[off[0]]);
+  slot->size = size;
+  slot->op = op;
+  slot->recorded = 1;
+}
+
+// The current device's slot, created (and queued for initialisation) on first use.
+IndexErrorSlot* current_slot() {
+  int device = 0;
+  MB_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(g_slots_mutex);
+  SlotState& st = slot_state(device);
+  if (st.slot == nullptr) {
+    static const IndexErrorSlot kEmpty{kNoPosition, 0, 0, 0, 0, nullptr};
+    MB_CUDA_CHECK(cudaMalloc(&st.slot, sizeof(IndexErrorSlot)));
+    MB_CUDA_CHECK(cudaMemcpyAsync(st.slot, &kEmpty, sizeof(IndexErrorSlot), cudaMemcpyHostToDevice,
+                                  current_stream()));
+  }
+  st.checked = true;
+  return st.slot;
+}
+
+template <class T, class I>
+__global__ void gather_kernel(T* out, const T* in, const I* index, Indexer<3> ix, std::int64_t n,
+                              std::int64_t in_dim_stride, std::int64_t size) {
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    std::int64_t off[3];  // out, in without dim, index
+    ix.offsets(i, off);
+    const std::int64_t v = index[off[2]];
+    out[off[0]] = v >= 0 && v < size ? in[off[1] + v * in_dim_stride]
+                                     : static_cast<T>(static_cast<compute_t<T>>(0));
+  }
+}
+
+// Thread `line` adds source line `line` into its destination line, `kChunk` positions at a time:
+// the chunk's index and source values are loaded first (independent loads in flight together),
+// then added in order.
+template <class T, class I>
+__global__ void scatter_add_lines(T* dst, const T* src, const I* index, Indexer<3> ix,
+                                  std::int64_t lines, std::int64_t length, std::int64_t src_step,
+                                  std::int64_t index_step, std::int64_t dst_dim_stride,
+                                  std::int64_t size) {
+  using C = compute_t<T>;
+  constexpr int kChunk = 8;
+  for (std::int64_t line = global_thread(); line < lines; line += grid_threads()) {
+    std::int64_t off[3];  // src, dst without dim, index
+    ix.offsets(line, off);
+    const T* s = src + off[0];
+    T* d = dst + off[1];
+    const I* x = index + off[2];
+    for (std::int64_t j0 = 0; j0 < length; j0 += kChunk) {
+      std::int64_t v[kChunk];
+      C value[kChunk];
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) {
+        const std::int64_t j = j0 + u;
+        v[u] = j < length ? static_cast<std::int64_t>(x[j * index_step]) : -1;
+        value[u] = j < length ? static_cast<C>(s[j * src_step]) : C(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) {
+        if (v[u] < 0 || v[u] >= size) continue;
+        T& target = d[v[u] * dst_dim_stride];
+        target = static_cast<T>(static_cast<C>(target) + value[u]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void check_index_range(const StridedView& index, std::int64_t size, std::int64_t allowed,
+                       const char* op) {
+  const std::int64_t n = index.numel();
+  if (n == 0) return;
+  IndexErrorSlot* slot = current_slot();
+  const StridedView* const views[1] = {&index};
+  const Indexer<1> ix = make_indexer(views);
+  cudaStream_t stream = current_stream();
+  dispatch_index(index.dtype, [&]<class I>() {
+    find_bad_index<I><<<grid_for(n, kThreads), kThreads, 0, stream>>>(slot, index.ptr<I>(), ix, n,
+                                                                      size, allowed);
+    MB_CUDA_CHECK_LAUNCH("find_bad_index");
+    record_bad_index<I><<<1, 1, 0, stream>>>(slot, index.ptr<I>(), ix, size, op);
+    MB_CUDA_CHECK_LAUNCH("record_bad_index");
+  });
+}
+
+void raise_pending_index_error(int device) {
+  IndexErrorSlot* slot = nullptr;
+  {
+    std::lock_guard lock(g_slots_mutex);
+    SlotState& st = slot_state(device);
+    if (st.slot == nullptr || !st.checked) return;
+    st.checked = false;
+    slot = st.slot;
+  }
+  MB_CUDA_CHECK(cudaSetDevice(device));
+  cudaStream_t stream = current_stream();
+  IndexErrorSlot seen;
+  MB_CUDA_CHECK(
+      cudaMemcpyAsync(&seen, slot, sizeof(IndexErrorSlot), cudaMemcpyDeviceToHost, stream));
+  MB_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (!seen.recorded) return;
+  MB_CUDA_CHECK(cudaMemsetAsync(&slot->recorded, 0, sizeof(int), stream));
+  detail::throw_error(MB_FORMAT("[{}] index {} is out of range for size {} (at position {})",
+                                seen.op, seen.value, seen.size, seen.position));
+}
+
+void synchronize_checked(int device) {
+  synchronize(device);
+  raise_pending_index_error(device);
+}
+
+void gather(const StridedView& out, const StridedView& in, const StridedView& index, int dim) {
+  MB_ASSERT(out.dtype == in.dtype && out.ndim == in.ndim && index.ndim == out.ndim,
+            "gather views disagree");
+  const std::int64_t n = out.numel();
+  if (n == 0) return;
+  StridedView in_other = in;  // the index supplies the coordinate along dim
+  if (in.ndim > 0) in_other.strides[dim] = 0;
+  const StridedView* const views[3] = {&out, &in_other, &index};
+  const Indexer<3> ix = make_indexer(views);
+  const std::int64_t in_dim_stride = in.ndim == 0 ? 0 : in.strides[dim];
+  const std::int64_t size = in.ndim == 0 ? 1 : in.shape[dim];
+  cudaStream_t stream = current_stream();
+  dispatch_all(out.dtype, [&]<class T>() {
+    dispatch_index(index.dtype, [&]<class I>() {
+      gather_kernel<T, I><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+          out.ptr<T>(), in.ptr<T>(), index.ptr<I>(), ix, n, in_dim_stride, size);
+    });
+  });
+  MB_CUDA_CHECK_LAUNCH("gather");
+}
+
+void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index,
+                 int dim) {
+  MB_ASSERT(dst.dtype == src.dtype && dst.ndim == src.ndim && index.ndim == src.ndim,
+            "scatter_add views disagree");
+  if (src.numel() == 0) return;
+  // Lines: src's shape without dim; each view keeps its strides on the other dims.
+  StridedView line_src = src, line_dst = dst, line_index = index;
+  for (StridedView* v : {&line_src, &line_dst, &line_index}) v->ndim = 0;
+  for (int d = 0; d < src.ndim; ++d) {
+    if (d == dim) continue;
+    const int k = line_src.ndim;
+    line_src.shape[k] = src.shape[d];
+    line_src.strides[k] = src.strides[d];
+    line_dst.strides[k] = dst.strides[d];
+    line_index.strides[k] = index.strides[d];
+    for (StridedView* v : {&line_src, &line_dst, &line_index}) ++v->ndim;
+  }
+  const StridedView* const views[3] = {&line_src, &line_dst, &line_index};
+  const Indexer<3> ix = make_indexer(views);
+  const std::int64_t lines = line_src.numel();
+  const std::int64_t length = src.ndim == 0 ? 1 : src.shape[dim];
+  const std::int64_t src_step = src.ndim == 0 ? 0 : src.strides[dim];
+  const std::int64_t index_step = src.ndim == 0 ? 0 : index.strides[dim];
+  const std::int64_t dst_dim_stride = dst.ndim == 0 ? 0 : dst.strides[dim];
+  const std::int64_t size = dst.ndim == 0 ? 1 : dst.shape[dim];
+  // Few lines, each long: small blocks spread them over more multiprocessors.
+  constexpr int kLineThreads = 64;
+  cudaStream_t stream = current_stream();
+  dispatch_all(dst.dtype, [&]<class T>() {
+    dispatch_index(index.dtype, [&]<class I>() {
+      scatter_add_lines<T, I><<<grid_for(lines, kLineThreads), kLineThreads, 0, stream>>>(
+          dst.ptr<T>(), src.ptr<T>(), index.ptr<I>(), ix, lines, length, src_step, index_step,
+          dst_dim_stride, size);
+    });
+  });
+  MB_CUDA_CHECK_LAUNCH("scatter_add");
+}
+
+}  // namespace microbatch::kernels::cuda

@@ -1,1 +1,178 @@
-// kernels/cuda/reduce.cu: filled in by the CUDA backend work.
+// CUDA row reductions on contiguous input: out[i] = op(in[i * inner : (i + 1) * inner]), written
+// once per row (overwrites). Sums accumulate in f64 for floating input and exactly in i64 for
+// integer and bool input; Max and ArgMax take the first maximal element, NaN counting as maximal.
+//
+// A group of G threads reduces one row, G chosen by the row's length: one thread for rows of at
+// most 16 elements (the CPU's order exactly), a warp up to 1024, a block of 256 or 1024 beyond.
+// Lane l folds elements l, l + G, l + 2G, ... in order; the group then combines its partials in a
+// fixed tree (warp butterflies, then the warps' results in warp order), so a result never depends
+// on timing and a rerun gives the same bits.
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/reduce.h"
+
+namespace microbatch::kernels::cuda {
+
+namespace {
+
+// A reducer: Acc is trivially constructible (it lives in shared memory), identity() is the empty
+// fold, element() lifts x at column j, combine() is associative up to rounding and commutative, and
+// write() stores the row's result.
+
+template <class T>
+struct SumFloat {  // f64 accumulation, as the CPU
+  using Acc = double;
+  static __device__ Acc identity() { return 0.0; }
+  static __device__ Acc element(T x, std::int64_t) {
+    return static_cast<double>(static_cast<compute_t<T>>(x));
+  }
+  static __device__ Acc combine(Acc a, Acc b) { return a + b; }
+  static __device__ Acc shuffle(Acc a, int lane_mask) {
+    return __shfl_xor_sync(kFullMask, a, lane_mask);
+  }
+  static __device__ void write(void* out, std::int64_t row, Acc a) {
+    static_cast<T*>(out)[row] = static_cast<T>(static_cast<compute_t<T>>(a));
+  }
+};
+
+template <class T>
+struct SumInt {  // exact, into i64 (as torch.sum)
+  using Acc = long long;
+  static __device__ Acc identity() { return 0; }
+  static __device__ Acc element(T x, std::int64_t) { return static_cast<Acc>(x); }
+  static __device__ Acc combine(Acc a, Acc b) { return a + b; }
+  static __device__ Acc shuffle(Acc a, int lane_mask) {
+    return __shfl_xor_sync(kFullMask, a, lane_mask);
+  }
+  static __device__ void write(void* out, std::int64_t row, Acc a) {
+    static_cast<std::int64_t*>(out)[row] = static_cast<std::int64_t>(a);
+  }
+};
+
+// The first maximal element of a row and its column; Arg selects which one is written.
+template <class T, bool Arg>
+struct MaxOf {
+  using C = compute_t<T>;
+  using Key = std::conditional_t<(sizeof(C) < 4), int, C>;  // u8 and bool compare as int (shuffles)
+  struct Acc {
+    Key value;
+    long long index;  // -1: no element yet
+  };
+  static __device__ Acc identity() { return Acc{Key(0), -1}; }
+  static __device__ Acc element(T x, std::int64_t j) {
+    return Acc{static_cast<Key>(static_cast<C>(x)), j};
+  }
+  // Picks the same element whatever the argument order: NaN first, then the larger value, then the
+  // smaller index.
+  static __device__ Acc combine(Acc a, Acc b) {
+    if (a.index < 0) return b;
+    if (b.index < 0) return a;
+    const bool a_nan = a.value != a.value, b_nan = b.value != b.value;
+    if (a_nan != b_nan) return a_nan ? a : b;
+    if (!a_nan && a.value != b.value) return a.value > b.value ? a : b;
+    return a.index < b.index ? a : b;
+  }
+  static __device__ Acc shuffle(Acc a, int lane_mask) {
+    return Acc{__shfl_xor_sync(kFullMask, a.value, lane_mask),
+               __shfl_xor_sync(kFullMask, a.index, lane_mask)};
+  }
+  static __device__ void write(void* out, std::int64_t row, Acc a) {
+    if constexpr (Arg) {
+      static_cast<std::int64_t*>(out)[row] = a.index < 0 ? 0 : a.index;
+    } else {
+      static_cast<T*>(out)[row] = static_cast<T>(static_cast<C>(a.index < 0 ? Key(0) : a.value));
+    }
+  }
+};
+
+// Combines the partials of a group of G threads (a power of two; 32 * 2^k beyond a warp); every
+// thread of the group gets the result. `scratch` holds one Acc per warp of the block.
+template <class R, int G>
+__device__ __forceinline__ typename R::Acc group_combine(typename R::Acc v,
+                                                         typename R::Acc* scratch) {
+  if constexpr (G > 1) {
+    for (int o = (G < 32 ? G : 32) / 2; o > 0; o >>= 1) v = R::combine(v, R::shuffle(v, o));
+  }
+  if constexpr (G > 32) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();  // the previous row's scratch may still be read
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = scratch[0];
+    for (int w = 1; w < G / 32; ++w) v = R::combine(v, scratch[w]);
+  }
+  return v;
+}
+
+// Groups of G threads, Threads per block (>= G); rows in a grid-stride loop over groups. With
+// G == Threads every thread of a block runs the same rows, so the __syncthreads above are reached
+// by all of them.
+template <class R, class T, int G, int Threads>
+__global__ void __launch_bounds__(Threads)
+    reduce_rows_kernel(void* out, const T* in, std::int64_t rows, std::int64_t inner) {
+  __shared__ typename R::Acc scratch[Threads / 32];
+  constexpr int kGroupsPerBlock = Threads / G;
+  const int lane = static_cast<int>(threadIdx.x) % G;
+  const std::int64_t first =
+      static_cast<std::int64_t>(blockIdx.x) * kGroupsPerBlock + threadIdx.x / G;
+  const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * kGroupsPerBlock;
+  for (std::int64_t row = first; row < rows; row += step) {
+    const T* x = in + row * inner;
+    typename R::Acc acc = R::identity();
+    for (std::int64_t j = lane; j < inner; j += G) acc = R::combine(acc, R::element(x[j], j));
+    acc = group_combine<R, G>(acc, scratch);
+    if (lane == 0) R::write(out, row, acc);
+  }
+}
+
+template <class R, class T, int G, int Threads>
+void launch_rows(const StridedView& out, const StridedView& in, std::int64_t rows,
+                 std::int64_t inner) {
+  const unsigned blocks = grid_for(rows, Threads / G);
+  reduce_rows_kernel<R, T, G, Threads>
+      <<<blocks, Threads, 0, current_stream()>>>(out.data, in.ptr<T>(), rows, inner);
+}
+
+template <class R, class T>
+void reduce_with(const StridedView& out, const StridedView& in, std::int64_t rows,
+                 std::int64_t inner) {
+  if (inner <= 16) {
+    launch_rows<R, T, 1, kThreads>(out, in, rows, inner);
+  } else if (inner <= 1024) {
+    launch_rows<R, T, 32, kThreads>(out, in, rows, inner);
+  } else if (inner < (std::int64_t{1} << 16)) {
+    launch_rows<R, T, kThreads, kThreads>(out, in, rows, inner);
+  } else {
+    launch_rows<R, T, 1024, 1024>(out, in, rows, inner);
+  }
+}
+
+}  // namespace
+
+void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner) {
+  MB_ASSERT(inner == 0 || in.is_contiguous(), "reduce_rows needs a contiguous input");
+  const std::int64_t rows = inner == 0 ? out.numel() : in.numel() / inner;
+  if (rows == 0) return;
+  dispatch_all(in.dtype, [&]<class T>() {
+    switch (op) {
+      case ReduceOp::Sum:
+        if constexpr (std::is_integral_v<T>) {
+          reduce_with<SumInt<T>, T>(out, in, rows, inner);
+        } else {
+          reduce_with<SumFloat<T>, T>(out, in, rows, inner);
+        }
+        break;
+      case ReduceOp::Max:
+        reduce_with<MaxOf<T, false>, T>(out, in, rows, inner);
+        break;
+      case ReduceOp::ArgMax:
+        reduce_with<MaxOf<T, true>, T>(out, in, rows, inner);
+        break;
+    }
+  });
+  MB_CUDA_CHECK_LAUNCH("reduce_rows");
+}
+
+}  // namespace microbatch::kernels::cuda

@@ -133,7 +133,7 @@ TEST_CASE("fp16 and bf16 training through the Trainer: loss falls, memory plan h
     train::Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64}, .num_classes = 2}); },
                            {.output_dir = dir.path.string(), .per_device_train_batch_size = train::kAutoBatch,
                             .train_batch_size = 32, .memory_budget = 2 << 20, .num_train_epochs = 4,
-                            .learning_rate = 3e-3, .logging_steps = 1, .fp16 = fp16, .bf16 = !fp16},
+                            .learning_rate = 3e-3, .logging_steps = 1, .fp16 = fp16, .bf16 = !fp16, .use_cpu = true},
                            data);
     trainer.set_log_stream(&sink);
     train::TrainOutput out = trainer.train();
@@ -170,7 +170,7 @@ TEST_CASE("a poisoned sample ends at the loss-scale floor with a clear error and
   train::Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {32}}); },
                          {.output_dir = dir.path.string(), .per_device_train_batch_size = 64,
                           .max_steps = 100, .learning_rate = 1e-3, .logging_steps = 1, .fp16 = true,
-                          .loss_scale_floor = 1.0, .max_overflows_at_floor = 3},
+                          .loss_scale_floor = 1.0, .max_overflows_at_floor = 3, .use_cpu = true},
                          data);
   trainer.set_log_stream(&sink);
   Tensor w0 = trainer.model().parameters()[0].clone();
@@ -196,7 +196,7 @@ TEST_CASE("16-bit gradient accumulators are selectable and the planner charges t
     TempDir dir;
     train::Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64}}); },
                            {.output_dir = dir.path.string(), .per_device_train_batch_size = 16, .memory_budget = 64 << 20,
-                            .max_steps = 2, .gradient_accumulation_dtype = grad_dtype, .bf16 = true},
+                            .max_steps = 2, .gradient_accumulation_dtype = grad_dtype, .bf16 = true, .use_cpu = true},
                            data);
     std::ostringstream sink;
     trainer.set_log_stream(&sink);

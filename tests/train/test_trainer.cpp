@@ -136,7 +136,7 @@ TEST_CASE("Trainer: logs per step, evaluates each epoch, predicts") {
   std::ostringstream sink;
   Trainer trainer(small_mlp(),
                   {.output_dir = dir.path.string(), .per_device_train_batch_size = 8, .gradient_accumulation_steps = 2,
-                   .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .eval_strategy = "epoch"},
+                   .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .eval_strategy = "epoch", .use_cpu = true},
                   train_set, &eval_set, classification_metrics);
   trainer.set_log_stream(&sink);
   TrainOutput out = trainer.train();
@@ -177,6 +177,7 @@ TEST_CASE("Trainer under a memory budget: peak within it every step, same weight
   auto run = [&](TrainingArguments args) {
     TempDir dir;
     args.output_dir = dir.path.string();
+    args.use_cpu = true;  // the budget and the byte-exact peaks follow the CPU allocator's rules
     std::ostringstream sink;
     Trainer trainer(init, args, train_set);
     trainer.set_log_stream(&sink);
@@ -233,6 +234,7 @@ TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weigh
   auto run = [&](TrainingArguments args, TrainOutput* out, MemoryPlan* plan) {
     TempDir dir;
     args.output_dir = dir.path.string();
+    args.use_cpu = true;  // the budget and the byte-exact peaks follow the CPU allocator's rules
     std::ostringstream sink;
     Trainer trainer(init, args, data);
     trainer.set_log_stream(&sink);
@@ -271,7 +273,7 @@ TEST_CASE("kill -9 and resume: the resumed run ends with bitwise the same weight
     return fmt::format("{} train --model gpt --data {} --block-size 16 --n-layer 1 --n-head 2 --n-embd 16 "
                        "--dropout 0.1 --per-device-train-batch-size 4 --gradient-accumulation-steps 2 "
                        "--max-steps 40 --logging-steps 1 --eval-strategy no --save-strategy steps "
-                       "--save-steps 5 --save-total-limit 2 --output-dir {} {} > /dev/null 2>&1",
+                       "--save-steps 5 --save-total-limit 2 --use-cpu --output-dir {} {} > /dev/null 2>&1",
                        MB_CLI_PATH, text.string(), out_dir.string(), extra);
   };
   const fs::path straight = dir.path / "straight", killed = dir.path / "killed";
@@ -328,7 +330,7 @@ TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-
     std::ostringstream sink;
     Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
                            .train_batch_size = 12, .memory_budget = budget, .num_train_epochs = 2,
-                           .learning_rate = 1e-3, .logging_steps = 1, .pack_by_tokens = pack}, data);
+                           .learning_rate = 1e-3, .logging_steps = 1, .pack_by_tokens = pack, .use_cpu = true}, data);
     trainer.set_log_stream(&sink);
     *out = trainer.train();
     CHECK(trainer.plan().micro_batch_size == 12);

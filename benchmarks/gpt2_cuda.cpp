@@ -1,0 +1,227 @@
+// bench_gpt2_cuda: training steps of GPT-2 small (124M parameters: vocab 50257, block 1024, 12
+// layers, 12 heads, 768 wide, head tied to the token embedding) on one GPU, as a user's raw loop
+// runs them: bf16 working weights with f32 master weights and f32 gradients (ParamStore),
+// forward, backward, global-norm clipping to 1.0, AdamW (lr 6e-4, weight decay 0.1 on matrices,
+// betas (0.9, 0.999), eps 1e-8). One micro-batch of B sequences of T = 1024 tokens per optimizer
+// step, for each B in --batch; the batch is drawn once per B (seeded uniform tokens) and reused.
+//
+//   bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps 10] [--warmup 3]
+//                   [--device cuda|cpu] [--tiny]
+//
+// It writes the initial weights to DIR/gpt2_init.safetensors (with the model's shape in the
+// metadata) and each batch to DIR/gpt2_tokens.safetensors ("tokens_b8": (8, 1025) i64, ...), so
+// that benchmarks/torch_gpt2.py starts from the same weights and sees the same tokens: the two
+// runs' losses should agree step for step (bf16 rounding aside). --tiny runs a 2-layer, 64-wide
+// model on 64 tokens instead (with --device cpu, a smoke run of this program's logic).
+//
+// The steps run as the Trainer runs them: the boundary step (norm, clip and AdamW, one launch
+// each) is queued without a host synchronisation and its outcome read at the next boundary; the
+// losses are read at the end. A step's time is the median over --steps steps after --warmup,
+// between two cudaEvents on the current stream; step_ms_mean_span is the timed steps' whole span
+// on the stream divided by their number (gaps between steps included). Memory: the allocator's peak
+// allocated and reserved bytes since the model was built (memory_stats); cuBLAS's workspace is
+// taken by cudaMalloc outside the allocator and is not in them.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_util.h"
+#include "core/rng.h"
+#include "core/safetensors.h"
+#include "nn/models.h"
+#include "optim/boundary_step.h"
+#include "optim/optimizer.h"
+#include "optim/param_store.h"
+#include "optim/schedule.h"
+
+namespace mb = microbatch;
+using mb::DType;
+using mb::Tensor;
+
+namespace {
+
+mb::nn::GPTConfig gpt2_small() {
+  return {.vocab_size = 50257, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
+}
+
+mb::nn::GPTConfig tiny() { return {.vocab_size = 512, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64}; }
+
+std::vector<std::int64_t> parse_list(const std::string& text) {
+  std::vector<std::int64_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
+  MB_CHECK(!out.empty(), "[bench_gpt2_cuda] --batch needs sizes such as 8,16");
+  return out;
+}
+
+// (B, T + 1) uniform token ids in [0, vocab), from a seeded generator.
+Tensor synthetic_tokens(std::int64_t batch, std::int64_t t, std::int64_t vocab, std::uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
+  std::vector<double> ids(static_cast<std::size_t>(batch * (t + 1)));
+  for (double& id : ids) id = static_cast<double>(pick(gen));
+  return mb::from_vector(ids, {batch, t + 1}, {.dtype = DType::i64});
+}
+
+struct Run {
+  std::int64_t batch = 0;
+  mb::bench::Timing step;
+  std::vector<double> losses;  // every step's loss, warm-up included
+  std::vector<double> grad_norms;
+  double wall_ms = 0.0;  // the timed steps' span on the stream, per step
+  std::int64_t peak_allocated = 0, peak_reserved = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mb::bench::Args args(argc, argv);
+  const std::string json_path = args.get("--json", "");
+  const std::string out_dir = args.get("--out-dir", ".");
+  const std::vector<std::int64_t> batches = parse_list(args.get("--batch", "8,16"));
+  const int steps = static_cast<int>(args.get_int("--steps", 10));
+  const int warmup = static_cast<int>(args.get_int("--warmup", 3));
+  const std::string device_arg = args.get("--device", "cuda");
+  const bool small = args.flag("--tiny");
+  if (steps < 1 || warmup < 0) {
+    std::fprintf(stderr, "bench_gpt2_cuda: --steps must be >= 1 and --warmup >= 0\n");
+    return 2;
+  }
+  if (!args.unknown().empty()) {
+    std::fprintf(stderr, "bench_gpt2_cuda: unknown argument '%s'\n"
+                         "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] "
+                         "[--warmup N] [--device cuda|cpu] [--tiny]\n", args.unknown().c_str());
+    return 2;
+  }
+  try {
+    const mb::Device dev = mb::parse_device(device_arg);
+    if (dev.is_cuda() && !mb::cuda_available()) {
+      std::fprintf(stderr, "bench_gpt2_cuda: no CUDA device here; nothing to measure "
+                           "(--device cpu --tiny runs the program's logic on the CPU)\n");
+      return 2;
+    }
+    const mb::nn::GPTConfig config = small ? tiny() : gpt2_small();
+    const std::int64_t T = config.block_size;
+    std::filesystem::create_directories(out_dir);
+
+    // The model, built and initialized on the CPU (GPT-2's init), then its weights exported.
+    mb::manual_seed(42);
+    mb::nn::GPT model(config);
+    const std::int64_t n_params = model.num_parameters();
+    const mb::nn::StateDict initial = model.state_dict();
+    const std::string weights_path = (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
+    mb::save_safetensors(weights_path, initial,
+                         {{"vocab_size", std::to_string(config.vocab_size)},
+                          {"block_size", std::to_string(config.block_size)},
+                          {"n_layer", std::to_string(config.n_layer)},
+                          {"n_head", std::to_string(config.n_head)},
+                          {"n_embd", std::to_string(config.n_embd)}});
+    std::printf("GPT-2 %s: %lld parameters on %s; initial weights in %s\n", small ? "tiny" : "small",
+                static_cast<long long>(n_params), mb::bench::device_name(dev).c_str(), weights_path.c_str());
+
+    mb::NamedTensorMap tokens;
+    for (std::int64_t b : batches)
+      tokens["tokens_b" + std::to_string(b)] = synthetic_tokens(b, T, config.vocab_size, 1000 + static_cast<std::uint64_t>(b));
+    const std::string tokens_path = (std::filesystem::path(out_dir) / "gpt2_tokens.safetensors").string();
+    mb::save_safetensors(tokens_path, tokens);
+
+    model.to(dev);
+    mb::optim::ParamStore store(model, {.compute_dtype = DType::bf16});
+    const mb::optim::AdamWConfig adamw_config{.lr = 6e-4, .weight_decay = 0.1};
+    const double max_grad_norm = 1.0;
+
+    std::vector<Run> runs;
+    for (std::int64_t B : batches) {
+      // Every batch size starts from the same weights, fresh moments and an empty cache.
+      store.load_master_state(initial);
+      store.zero_grad();
+      mb::empty_cache(dev);
+      mb::reset_peak_memory_stats(dev);
+      mb::optim::AdamW adamw(store, adamw_config);
+      const Tensor& batch = tokens.at("tokens_b" + std::to_string(B));
+      const Tensor inputs = batch.slice(1, 0, T).contiguous().to(dev);      // (B, T)
+      const Tensor labels = batch.slice(1, 1, T + 1).contiguous().to(dev);  // (B, T)
+
+      mb::optim::LRScheduler schedule(adamw, {.type = mb::optim::ScheduleType::Constant});
+      mb::optim::BoundaryStep boundary(store, adamw, schedule, nullptr, {.max_grad_norm = max_grad_norm});
+
+      // As the Trainer runs: nothing waits for the device inside a step; the boundary step's
+      // outcome (the norm) is read one step later, the losses at the end.
+      Run run{.batch = B};
+      mb::bench::RepTimer timer(dev);
+      std::vector<std::pair<int, int>> marks;
+      std::vector<Tensor> losses;  // () each, on the device
+      for (int i = 0; i < warmup + steps; ++i) {
+        const int a = timer.mark();
+        store.zero_grad();
+        Tensor loss = model(inputs, labels).loss;
+        loss.backward();
+        for (const mb::optim::StepOutcome& o : boundary.step(i + 1, mb::optim::Settle::Later))
+          run.grad_norms.push_back(o.grad_norm);
+        marks.emplace_back(a, timer.mark());
+        losses.push_back(loss.detach());
+      }
+      for (const mb::optim::StepOutcome& o : boundary.settle()) run.grad_norms.push_back(o.grad_norm);
+      std::vector<double> ms;
+      for (std::size_t i = 0; i < marks.size(); ++i) {
+        const double ms_step = timer.ms(marks[i].first, marks[i].second);
+        if (i >= static_cast<std::size_t>(warmup)) ms.push_back(ms_step);
+        run.losses.push_back(losses[i].item());
+        const double norm = i < run.grad_norms.size() ? run.grad_norms[i] : std::nan("");
+        std::printf("  B=%lld step %2zu: loss %.4f, grad norm %.3f, %.1f ms%s\n", static_cast<long long>(B), i,
+                    run.losses.back(), norm, ms_step, i < static_cast<std::size_t>(warmup) ? " (warm-up)" : "");
+      }
+      run.wall_ms = timer.ms(marks[static_cast<std::size_t>(warmup)].first, marks.back().second) / steps;
+      run.step = mb::bench::summarize(ms);
+      const mb::MemoryStats stats = mb::memory_stats(dev);
+      run.peak_allocated = stats.allocated.peak;
+      run.peak_reserved = stats.reserved.peak;
+      runs.push_back(run);
+    }
+
+    nlohmann::json results = nlohmann::json::array();
+    std::printf("\n%6s %12s %12s %14s %14s %10s\n", "batch", "step ms", "tokens/s", "peak alloc", "peak reserved",
+                "last loss");
+    for (const Run& r : runs) {
+      const double tokens_per_s = static_cast<double>(r.batch * T) / (r.step.median_ms * 1e-3);
+      std::printf("%6lld %12.1f %12.0f %14s %14s %10.4f\n", static_cast<long long>(r.batch), r.step.median_ms,
+                  tokens_per_s, mb::format_bytes(r.peak_allocated).c_str(), mb::format_bytes(r.peak_reserved).c_str(),
+                  r.losses.back());
+      results.push_back({{"batch", r.batch},
+                         {"seq_len", T},
+                         {"tokens_per_step", r.batch * T},
+                         {"step_ms_median", r.step.median_ms},
+                         {"step_ms_min", r.step.min_ms},
+                         {"step_ms_max", r.step.max_ms},
+                         {"steps_timed", r.step.reps},
+                         {"step_ms_mean_span", r.wall_ms},
+                         {"tokens_per_s", tokens_per_s},
+                         {"peak_allocated_bytes", r.peak_allocated},
+                         {"peak_reserved_bytes", r.peak_reserved},
+                         {"losses", r.losses},
+                         {"grad_norms", r.grad_norms}});
+    }
+    mb::bench::write_json(json_path, {{"benchmark", "gpt2"},
+                                      {"implementation", "microbatch"},
+                                      {"device", mb::bench::device_name(dev)},
+                                      {"model", small ? "tiny" : "gpt2_small"},
+                                      {"parameters", n_params},
+                                      {"precision", "bf16 weights and activations, f32 master weights and gradients"},
+                                      {"optimizer", "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 "
+                                                    "on matrices; clip 1.0"},
+                                      {"weights", weights_path},
+                                      {"tokens", tokens_path},
+                                      {"warmup", warmup},
+                                      {"runs", results}});
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""PyTorch's side of bench_gpt2_cuda: the same GPT-2 in PyTorch eager, from the same initial weights
+and the same tokens (the files bench_gpt2_cuda writes), trained the same way, timed the same way.
+
+The model: token + position embeddings, pre-LayerNorm blocks (LayerNorm eps 1e-5, causal attention
+through F.scaled_dot_product_attention(is_causal=True), GELU with the tanh approximation), final
+LayerNorm, head tied to the token embedding; no dropout. Parameter names match microbatch's
+(wte.weight, h.0.attn.c_attn.weight, h.0.c_fc.weight, ...). Training: f32 parameters and gradients,
+bf16 autocast for the forward (PyTorch's mixed precision: matmuls in bf16, the loss in f32),
+backward, clip_grad_norm_(1.0), AdamW(fused=True, lr 6e-4, weight decay 0.1 on tensors of two or
+more dims, betas (0.9, 0.999), eps 1e-8). Nothing waits for the GPU inside the timed steps: a step's
+time is the median over --steps after --warmup, between two torch.cuda.Events, and the losses and
+norms are read at the end; memory is torch.cuda.max_memory_allocated / max_memory_reserved since
+the model was built.
+
+  python3 benchmarks/torch_gpt2.py --weights DIR/gpt2_init.safetensors --tokens DIR/gpt2_tokens.safetensors \
+      [--batch 8,16] [--steps 10] [--warmup 3] [--json PATH] [--device cuda|cpu]
+
+The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
+"""
+import argparse
+import json
+import math
+import statistics
+import struct
+import sys
+import time
+
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError:
+    print("torch_gpt2: PyTorch is not installed for", sys.executable, file=sys.stderr)
+    sys.exit(3)
+
+DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def read_safetensors(path):
+    """Returns ({name: CPU tensor}, metadata) for a safetensors file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > 100_000_000 or 8 + n > len(data):
+        raise ValueError(f"{path}: bad header length {n}")
+    header = json.loads(data[8:8 + n].decode("utf-8"))
+    metadata = header.pop("__metadata__", {}) or {}
+    body = memoryview(data)[8 + n:]
+    tensors = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        dtype = DTYPES[info["dtype"]]
+        shape = info["shape"]
+        raw = bytearray(body[begin:end])
+        t = torch.frombuffer(raw, dtype=dtype) if len(raw) > 0 else torch.empty(0, dtype=dtype)
+        tensors[name] = t.reshape(shape).clone()
+    return tensors, metadata
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.n_head = n_head
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # PyTorch 1.x (CPU smoke runs only)
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd, n_head):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, eps=1e-5)
+        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.ln_2 = nn.LayerNorm(n_embd, eps=1e-5)
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, eps=1e-5)
+
+    def forward(self, idx, labels):
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # the head tied to the token embedding
+        return F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(B * T))
+
+
+class Timer:
+    """Marks in a CUDA stream (events) or in host time (CPU)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+        return len(self.marks) - 1
+
+    def ms(self, a, b):
+        if self.cuda:
+            self.marks[b].synchronize()
+            return self.marks[a].elapsed_time(self.marks[b])
+        return (self.marks[b] - self.marks[a]) * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--weights", required=True)
+    p.add_argument("--tokens", required=True)
+    p.add_argument("--batch", default="8,16")
+    p.add_argument("--steps", type=int, default=10)  # >= 1
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default="")
+    p.add_argument("--device", default="cuda")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("torch_gpt2: no CUDA device here (--device cpu runs the script's logic)", file=sys.stderr)
+        return 2
+    weights, meta = read_safetensors(a.weights)
+    tokens, _ = read_safetensors(a.tokens)
+    cfg = {k: int(meta[k]) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
+    T = cfg["block_size"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"torch_gpt2 on {name} with torch {torch.__version__}: {cfg}")
+
+    runs = []
+    for B in [int(b) for b in a.batch.split(",")]:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        model = GPT(**cfg).to(device)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise SystemExit(f"torch_gpt2: weights do not match the model: missing {missing}, unexpected {unexpected}")
+        n_params = sum(t.numel() for t in model.parameters())
+        decay = [t for t in model.parameters() if t.dim() >= 2]
+        no_decay = [t for t in model.parameters() if t.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        fused = device.type == "cuda"
+        try:
+            opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8, fused=fused)
+        except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
+            fused = False
+            opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8)
+        batch = tokens[f"tokens_b{B}"].to(device)
+        timer = Timer(device)
+        inputs, labels = batch[:, :T].contiguous(), batch[:, 1:].contiguous()
+
+        # No host synchronisation inside the timed steps (as bench_gpt2_cuda): events around each
+        # step, losses and norms read at the end.
+        marks, losses, norms = [], [], []
+        for i in range(a.warmup + a.steps):
+            m0 = timer.mark()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+                loss = model(inputs, labels)
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            opt.step()
+            marks.append((m0, timer.mark()))
+            losses.append(loss.detach())
+        times = [timer.ms(x, y) for x, y in marks]
+        losses = [float(x) for x in losses]
+        norms = [float(x) for x in norms]
+        for i, ms in enumerate(times):
+            print(f"  B={B} step {i:2d}: loss {losses[i]:.4f}, grad norm {norms[i]:.3f}, {ms:.1f} ms"
+                  + (" (warm-up)" if i < a.warmup else ""))
+        span = timer.ms(marks[a.warmup][0], marks[-1][1]) / a.steps
+        times = times[a.warmup:]
+        med = statistics.median(times)
+        run = dict(batch=B, seq_len=T, tokens_per_step=B * T, step_ms_median=med, step_ms_min=min(times),
+                   step_ms_max=max(times), steps_timed=len(times), step_ms_mean_span=span,
+                   tokens_per_s=B * T / (med * 1e-3),
+                   losses=losses, grad_norms=norms, fused_adamw=fused)
+        if device.type == "cuda":
+            run["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            run["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        runs.append(run)
+        del model, opt, batch, inputs, labels, loss
+
+    print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
+    for r in runs:
+        print(f"{r['batch']:>6} {r['step_ms_median']:>12.1f} {r['tokens_per_s']:>12.0f} "
+              f"{r.get('peak_allocated_bytes', 0) / 2**20:>15.1f} {r['losses'][-1]:>10.4f}")
+    out = dict(benchmark="gpt2", implementation="pytorch", torch=torch.__version__, device=name,
+               model="gpt2_small" if cfg["n_layer"] == 12 and cfg["n_embd"] == 768 else "tiny", parameters=n_params,
+               precision="f32 parameters and gradients, bf16 autocast, SDPA",
+               optimizer="AdamW(fused) lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0",
+               warmup=a.warmup, runs=runs)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=2)
+        print("wrote", a.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,361 @@
+#!/usr/bin/env bash
+# The GPU check, for a bare machine with an NVIDIA GPU (nvcc, CMake, the CUDA libraries and
+# PyTorch, but no Debian packages and no network). From the repository root:
+#
+#   scripts/bundle_deps.sh deps          beforehand, where the Debian -dev packages are installed
+#   scripts/gpu_check.sh OUTDIR
+#
+# Stages, in order (each one time-boxed with `timeout`):
+#   configure      a build folder with -DMB_DEPS_DIR=deps -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON
+#                  -DMB_NATIVE=OFF; cuDNN from the CUDA folder, else from the pip package next to
+#                  PyTorch (CUDNN_ROOT), else none (the im2col convolutions serve)
+#   build          the library, the command, both test suites and the benchmarks, on every core
+#   tests_core     the doctest suites; their CUDA cases run here (doctest's counts are recorded)
+#   tests_train
+#   sanitizer      compute-sanitizer memcheck on a short training run of a tiny GPT on cuda:0
+#   bench_kernels  benchmarks/kernels_cuda.cpp          -> OUTDIR/kernels.json
+#   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
+#   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json
+#   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
+#   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
+#   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
+#
+# It writes OUTDIR/gpu_check.log (everything each stage printed, under a header per stage) and
+# OUTDIR/results.json (stage -> status pass | fail | timeout | skip, seconds, figures, message),
+# rewritten after every stage. A failing stage does not stop the others. The script stops starting
+# stages when its deadline is near, so that it ends within MB_GPU_CHECK_SECONDS (default 480).
+# On a machine without a GPU the GPU stages are skipped, saying so.
+# Exit status: 1 when a stage failed or timed out; 2 when none did but some were not started for
+# lack of time; 0 otherwise.
+#
+# Environment:
+#   MB_GPU_CHECK_SECONDS  the deadline in seconds (default 480)
+#   MB_GPU_CHECK_BOX_SCALE  multiplies every stage's time box (default 1; a slow machine, say 6)
+#   MB_GPU_CHECK_STAGES   the stages to run, space-separated (default: all)
+#   BUILD_DIR             the build folder (default build-gpu). It is kept, so a second run only
+#                         rebuilds what changed: when the first run's build took most of the time,
+#                         run the check again. MB_GPU_CHECK_FRESH=1 deletes it first.
+#   MB_DEPS_DIR           the dependency bundle (default deps)
+#   MB_CUDA               ON (default); OFF builds without the CUDA backend (to try this script on
+#                         a machine without nvcc: the GPU stages are then skipped)
+#   PYTHON                the Python that has PyTorch (default python3)
+set -uo pipefail
+
+if [[ $# -ne 1 ]]; then
+  echo "usage: $0 OUTDIR" >&2
+  exit 2
+fi
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# Paths given relative to the folder the script is started from.
+mkdir -p "$1" "${BUILD_DIR:-$ROOT/build-gpu}"
+OUT="$(cd "$1" && pwd)"
+BUILD_DIR="$(cd "${BUILD_DIR:-$ROOT/build-gpu}" && pwd)"
+DEPS="$(realpath -m "${MB_DEPS_DIR:-$ROOT/deps}")"
+cd "$ROOT" || exit 2
+CUDA="${MB_CUDA:-ON}"
+PYTHON="${PYTHON:-python3}"
+SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
+BOX_SCALE="${MB_GPU_CHECK_BOX_SCALE:-1}"
+STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 planner compare}"
+RESERVE=10  # seconds kept for writing the results at the end
+START=$(date +%s)
+DEADLINE=$((START + SECONDS_TOTAL))
+LOG="$OUT/gpu_check.log"
+TABLE="$OUT/stages.tsv"  # name, status, seconds, message: one line per stage run
+mkdir -p "$OUT/stages"
+: >"$LOG"
+: >"$TABLE"
+rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,planner,compare}.json
+
+say() { echo "[gpu_check] $*" | tee -a "$LOG"; }
+tsv_field() { printf '%s' "$1" | tr '\t\n' '  '; }
+record() {  # name status seconds message
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$(tsv_field "$4")" >>"$TABLE"
+  write_results
+}
+wanted() { [[ " $STAGES " == *" $1 "* ]]; }
+
+# ---- what this machine has ---------------------------------------------------------------------
+GPU=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  GPU="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+fi
+NVCC="$(command -v nvcc || true)"
+[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+NVCC_VERSION=""
+[[ -n "$NVCC" ]] && NVCC_VERSION="$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
+SANITIZER="$(command -v compute-sanitizer || true)"
+[[ -z "$SANITIZER" && -n "$NVCC" && -x "$(dirname "$NVCC")/compute-sanitizer" ]] && SANITIZER="$(dirname "$NVCC")/compute-sanitizer"
+TORCH="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
+JOBS="$(nproc)"
+
+# results.json from the stage table and the files the stages wrote.
+write_results() {
+  "$PYTHON" - "$OUT" "$TABLE" "$START" "$GPU" "$NVCC_VERSION" "$TORCH" "$CUDA" "${CUDNN_NOTE:-}" <<'EOF' ||
+import json, os, re, sys, time
+
+out, table, start, gpu, nvcc, torch, cuda, cudnn = sys.argv[1:9]
+
+def load(name):
+    try:
+        with open(os.path.join(out, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+def doctest_counts(text):
+    fig = {}
+    for kind in ("test cases", "assertions"):
+        m = re.search(r"\[doctest\] " + kind + r":\s*(\d+)\s*\|\s*(\d+) passed\s*\|\s*(\d+) failed(?:\s*\|\s*(\d+) skipped)?", text)
+        if m:
+            key = kind.replace(" ", "_")
+            fig[key] = int(m.group(1))
+            fig[key + "_passed"] = int(m.group(2))
+            fig[key + "_failed"] = int(m.group(3))
+            if m.group(4) is not None:
+                fig[key + "_skipped"] = int(m.group(4))
+    return fig
+
+def figures(name):
+    try:
+        text = open(os.path.join(out, "stages", name + ".log"), errors="replace").read()
+    except OSError:
+        text = ""
+    if name.startswith("tests_"):
+        return doctest_counts(text)
+    if name == "sanitizer":
+        m = re.search(r"ERROR SUMMARY: (\d+) error", text)
+        return {"errors": int(m.group(1))} if m else {}
+    if name in ("bench_kernels", "torch_kernels"):
+        j = load("kernels.json" if name == "bench_kernels" else "torch_kernels.json")
+        if not j:
+            return {}
+        fig = {"copy_gb_per_s": j.get("copy_gb_per_s")}
+        for k in j.get("kernels", []):
+            fig[k["name"]] = {key: k.get(key) for key in ("median_ms", "gb_per_s", "ratio_to_copy", "target",
+                                                          "meets_target", "checked") if key in k}
+        return fig
+    if name in ("bench_gpt2", "torch_gpt2"):
+        j = load("gpt2.json" if name == "bench_gpt2" else "torch_gpt2.json")
+        if not j:
+            return {}
+        return {f"batch_{r['batch']}": {key: r.get(key) for key in ("step_ms_median", "tokens_per_s",
+                                                                   "peak_allocated_bytes", "peak_reserved_bytes")}
+                for r in j.get("runs", [])}
+    if name == "planner":
+        j = load("planner.json")
+        return {r["budget"]: {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",
+                                                         "predicted_peak", "measured_peak")}
+                for r in (j or {}).get("runs", [])}
+    if name == "compare":
+        j = load("compare.json")
+        return {"pass": j.get("pass")} if j else {}
+    return {}
+
+stages = {}
+for line in open(table):
+    parts = line.rstrip("\n").split("\t")
+    if len(parts) < 4:
+        continue
+    name, status, seconds, message = parts[:4]
+    stages[name] = {"status": status, "seconds": float(seconds), "figures": figures(name), "message": message}
+result = {"machine": {"gpu": gpu or None, "nvcc": nvcc or None, "torch": torch or None, "cuda_backend": cuda,
+                      "cudnn": cudnn or None},
+          "seconds": round(time.time() - float(start), 1), "stages": stages}
+with open(os.path.join(out, "results.json"), "w") as f:
+    json.dump(result, f, indent=2)
+EOF
+    echo "[gpu_check] could not write results.json with $PYTHON" >&2
+}
+
+# Runs one stage: NAME BOX MIN COMMAND...; BOX is its time box in seconds, MIN the least time worth
+# starting it with; KEEP seconds are left for the stages after it. The command sees its time box as
+# MB_STAGE_SECONDS. Its output goes to OUTDIR/stages/NAME.log and gpu_check.log.
+FAILED=0
+UNSTARTED=0
+KEEP=0
+run_stage() {
+  local name="$1" box=$(($2 * BOX_SCALE)) min="$3"
+  shift 3
+  local left=$((DEADLINE - $(date +%s) - RESERVE - KEEP))
+  if ((left < min)); then
+    say "$name: not started, ${left}s left before the deadline and it needs ${min}s"
+    record "$name" skip 0 "not started: ${left}s left before the deadline, it needs ${min}s"
+    UNSTARTED=1
+    return 1
+  fi
+  local limit=$((box < left ? box : left))
+  say "---- $name (time box ${limit}s): $*"
+  local t0 t1 rc
+  t0=$(date +%s.%N)
+  MB_STAGE_SECONDS="$limit" timeout --kill-after=10 "$limit" "$@" >"$OUT/stages/$name.log" 2>&1
+  rc=$?
+  t1=$(date +%s.%N)
+  cat "$OUT/stages/$name.log" >>"$LOG"
+  local secs
+  secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+  local status=pass message="exit status 0"
+  if ((rc == 124 || rc == 137)); then
+    status=timeout
+    message="killed after ${limit}s"
+  elif ((rc != 0)); then
+    status=fail
+    message="exit status $rc: $(grep -v '^\s*$' "$OUT/stages/$name.log" | tail -n 1 | cut -c1-300)"
+  fi
+  [[ $status != pass ]] && FAILED=1
+  say "$name: $status in ${secs}s ($message)"
+  if [[ $name == compare ]]; then
+    cat "$OUT/stages/$name.log"  # the table is the point of the whole check
+  elif [[ $status != pass ]]; then
+    tail -n 25 "$OUT/stages/$name.log" | sed 's/^/    /'
+  fi
+  record "$name" "$status" "$secs" "$message"
+  return $rc
+}
+
+skip_stage() {  # name reason
+  wanted "$1" || return 0
+  say "$1: skipped ($2)"
+  record "$1" skip 0 "$2"
+}
+
+say "started $(date -u +%FT%TZ) in $ROOT; results in $OUT; deadline ${SECONDS_TOTAL}s"
+say "GPU: ${GPU:-none found (no nvidia-smi or no device)}; nvcc ${NVCC_VERSION:-not found}; torch ${TORCH:-not importable by $PYTHON}; $JOBS cores"
+
+# ---- configure --------------------------------------------------------------------------------
+CONFIG_ARGS=(-S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMB_DEPS_DIR="$DEPS" -DMB_CUDA="$CUDA"
+             -DMB_BUILD_BENCHMARKS=ON -DMB_NATIVE=OFF)
+CUDNN_NOTE=""
+[[ "${MB_GPU_CHECK_FRESH:-0}" == 1 ]] && rm -rf "$BUILD_DIR" && mkdir -p "$BUILD_DIR"
+if [[ "$CUDA" == ON ]]; then
+  [[ -n "$NVCC" ]] && CONFIG_ARGS+=(-DCMAKE_CUDA_COMPILER="$NVCC")
+  # cuDNN: the CUDA folder's own, else the pip package beside PyTorch (its library is only
+  # libcudnn.so.9, so a small folder gives CMake the libcudnn.so it looks for).
+  cuda_root="$(dirname "$(dirname "${NVCC:-/usr/local/cuda/bin/nvcc}")")"
+  if [[ -f "$cuda_root/include/cudnn.h" || -f /usr/include/cudnn.h ]]; then
+    CUDNN_NOTE="from the CUDA toolkit"
+  else
+    pip_cudnn="$("$PYTHON" -c 'import nvidia.cudnn, os; print(list(nvidia.cudnn.__path__)[0])' 2>/dev/null || true)"
+    pip_name="$("$PYTHON" -c 'import importlib.metadata as m; print(next((d.metadata["Name"] for d in m.distributions() if (d.metadata["Name"] or "").startswith("nvidia-cudnn")), ""))' 2>/dev/null || true)"
+    wheel_cuda="$(sed -n 's/.*-cu\([0-9]*\)$/\1/p' <<<"$pip_name")"
+    if [[ -n "$pip_cudnn" && -f "$pip_cudnn/include/cudnn.h" ]] && ls "$pip_cudnn"/lib/libcudnn.so* >/dev/null 2>&1; then
+      if [[ -n "$wheel_cuda" && "$wheel_cuda" != "${NVCC_VERSION%%.*}" ]]; then
+        CUDNN_NOTE="off: pip's $pip_name is built for CUDA $wheel_cuda, nvcc is $NVCC_VERSION"
+        CONFIG_ARGS+=(-DMB_CUDNN=OFF)
+      else
+        shim="$BUILD_DIR/cudnn-root"
+        mkdir -p "$shim/lib"
+        ln -sfn "$pip_cudnn/include" "$shim/include"
+        for lib in "$pip_cudnn"/lib/libcudnn.so*; do break; done
+        ln -sf "$lib" "$shim/lib/libcudnn.so"
+        export CUDNN_ROOT="$shim"
+        export LD_LIBRARY_PATH="$pip_cudnn/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        CUDNN_NOTE="from pip ($pip_name, $pip_cudnn)"
+      fi
+    else
+      CUDNN_NOTE="not found: convolutions use the im2col kernels"
+    fi
+  fi
+  say "cuDNN: $CUDNN_NOTE"
+fi
+BUILD_OK=0
+if wanted configure; then
+  if [[ ! -f "$DEPS/include/fmt/format.h" ]]; then
+    say "configure: no dependency bundle at $DEPS (make it with scripts/bundle_deps.sh deps where the Debian packages are)"
+    record configure fail 0 "no dependency bundle at $DEPS"
+    FAILED=1
+  else
+    run_stage configure 90 10 cmake "${CONFIG_ARGS[@]}" && BUILD_OK=1
+    # What CMake made of it ("microbatch: cuDNN /path/libcudnn.so" or "... not found ...").
+    found="$(grep -o 'microbatch: cuDNN.*' "$OUT/stages/configure.log" | head -n 1)"
+    [[ -n "$found" && "$CUDA" == ON ]] && CUDNN_NOTE="$CUDNN_NOTE; CMake: ${found#microbatch: }" && write_results
+  fi
+else
+  [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && BUILD_OK=1
+fi
+
+TARGETS=(microbatch_cli tests_core tests_train)
+[[ "$CUDA" == ON ]] && TARGETS+=(bench_kernels_cuda bench_gpt2_cuda)
+if ((BUILD_OK)) && wanted build; then
+  run_stage build 330 60 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}" || BUILD_OK=0
+elif wanted build; then
+  skip_stage build "not configured"
+fi
+
+# ---- tests --------------------------------------------------------------------------------------
+for suite in tests_core tests_train; do
+  wanted "$suite" || continue
+  if ((BUILD_OK)) && [[ -x "$BUILD_DIR/$suite" ]]; then
+    box=$([[ $suite == tests_core ]] && echo 90 || echo 150)
+    # From the build folder, as CTest runs them.
+    run_stage "$suite" "$box" 15 bash -c "cd '$BUILD_DIR' && ./$suite"
+  else
+    skip_stage "$suite" "the build did not finish"
+  fi
+done
+
+# ---- GPU stages ---------------------------------------------------------------------------------
+GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 planner compare"
+if [[ -z "$GPU" || "$CUDA" != ON ]]; then
+  reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
+  for s in $GPU_STAGES; do skip_stage "$s" "$reason"; done
+elif ((!BUILD_OK)); then
+  for s in $GPU_STAGES; do skip_stage "$s" "the build did not finish"; done
+else
+  CLI="$BUILD_DIR/microbatch"
+  if wanted sanitizer; then
+    if [[ -z "$SANITIZER" ]]; then
+      skip_stage sanitizer "compute-sanitizer not found"
+    else
+      # A tiny GPT for two optimizer steps on cuda:0. MB_ALLOCATOR_BYPASS=1 asks the allocator to
+      # return every block to cudaFree, so that memcheck sees each allocation's real bounds.
+      if "$CLI" train --help 2>/dev/null | grep -q -- "--dataset"; then
+        data=(--dataset synthetic --synthetic-size 16 --vocab-size 64)
+      else
+        data=(--data "$ROOT/README.md")
+      fi
+      run_stage sanitizer 90 30 env MB_ALLOCATOR_BYPASS=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
+        "$CLI" train --model gpt "${data[@]}" --device cuda --block-size 32 --n-layer 1 --n-head 2 --n-embd 32 \
+        --per-device-train-batch-size 4 --max-steps 2 --logging-steps 1 --eval-strategy no --save-strategy no \
+        --output-dir "$OUT/sanitizer_run"
+    fi
+  fi
+  wanted bench_kernels && run_stage bench_kernels 60 30 "$BUILD_DIR/bench_kernels_cuda" --json "$OUT/kernels.json"
+  if wanted torch_kernels; then
+    if [[ -z "$TORCH" ]]; then
+      skip_stage torch_kernels "PyTorch is not importable by $PYTHON"
+    else
+      run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
+    fi
+  fi
+  wanted bench_gpt2 && run_stage bench_gpt2 90 45 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$OUT" --json "$OUT/gpt2.json"
+  if wanted torch_gpt2; then
+    if [[ -z "$TORCH" ]]; then
+      skip_stage torch_gpt2 "PyTorch is not importable by $PYTHON"
+    elif [[ ! -f "$OUT/gpt2_init.safetensors" ]]; then
+      skip_stage torch_gpt2 "no initial weights: bench_gpt2 did not write them"
+    else
+      run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$OUT/gpt2_init.safetensors" \
+        --tokens "$OUT/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
+    fi
+  fi
+  KEEP=15  # for the comparison
+  wanted planner && run_stage planner 150 60 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
+  KEEP=0
+  if wanted compare; then
+    if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/planner.json" ]]; then
+      run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json"
+    else
+      skip_stage compare "no benchmark results to compare"
+    fi
+  fi
+  # The safetensors files are large (500 MB of weights): keep only the JSON results.
+  rm -f "$OUT/gpt2_init.safetensors" "$OUT/gpt2_tokens.safetensors"
+fi
+
+write_results
+say "done in $(($(date +%s) - START))s: $(cut -f1,2 "$TABLE" | tr '\t\n' ': ' | sed 's/ $//')"
+say "results: $OUT/results.json, log: $LOG"
+if ((FAILED)); then exit 1; fi
+if ((UNSTARTED)); then exit 2; fi
+exit 0

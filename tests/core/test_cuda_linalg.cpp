@@ -1,0 +1,452 @@
+// matmul, linear, conv2d and max_pool2d on CUDA against the CPU (cuBLAS, cuDNN or im2col, and the
+// pooling kernels), the weight-gradient GEMM into an f32 arena on CUDA, and, on the CPU, the
+// layout rules those paths rest on and what meta predicts for them.
+#include <cmath>
+
+#include "core/ops/dispatch.h"
+#include "kernels/conv.h"
+#include "kernels/gemm.h"
+#include "tests/core/harness.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+
+namespace {
+
+constexpr DType kFloatTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
+
+// A leaf of the given dtype requiring grad, with input()'s deterministic values.
+Tensor leaf(const Shape& shape, DType dtype, std::uint64_t seed) {
+  return input(shape, -1, 1, seed).detach().to(dtype).requires_grad_(true);
+}
+
+// A leaf whose last two dims are stored transposed (row stride 1).
+Tensor transposed_leaf(const Shape& shape, DType dtype, std::uint64_t seed) {
+  Shape swapped = shape;
+  std::swap(swapped[swapped.size() - 1], swapped[swapped.size() - 2]);
+  Tensor t = input(swapped, -1, 1, seed).detach().to(dtype).transpose(-1, -2);
+  return t.requires_grad_(true);
+}
+
+Tensor to_dtype(const Tensor& t, DType dtype) {
+  return t.defined() ? t.detach().to(dtype).requires_grad_(t.requires_grad()) : Tensor();
+}
+
+std::string label(const std::string& what, DType dtype) { return what + " " + dtype_name(dtype); }
+
+}  // namespace
+
+// ---- CPU: the layout rules and meta's predictions ---------------------------------------------
+
+TEST_CASE("blas_matrix: which layout a BLAS reads a view in, and when it needs a copy") {
+  using kernels::blas_matrix;
+  auto same = [](kernels::BlasMatrix m, bool row_major, std::int64_t ld) {
+    return m.ok && m.row_major == row_major && m.ld == ld;
+  };
+  CHECK(same(blas_matrix(3, 4, 4, 1), true, 4));   // contiguous
+  CHECK(same(blas_matrix(3, 4, 7, 1), true, 7));   // rows of a wider matrix
+  CHECK(same(blas_matrix(3, 4, 1, 3), false, 3));  // a transposed contiguous (4, 3)
+  CHECK(same(blas_matrix(3, 4, 1, 5), false, 5));
+  CHECK(same(blas_matrix(1, 4, 0, 1), true, 4));  // one row: its stride is free
+  CHECK(same(blas_matrix(1, 4, 99, 1), true, 4));
+  CHECK(same(blas_matrix(3, 1, 1, 0), true, 1));  // one column, unit row stride
+  CHECK(same(blas_matrix(3, 1, 5, 7), true, 5));  // one column, spaced rows
+  CHECK(same(blas_matrix(1, 1, 0, 0), true, 1));
+  CHECK(same(blas_matrix(1, 4, 1, 6), false, 6));  // one row, strided columns: column-major
+  CHECK_FALSE(blas_matrix(3, 4, 8, 2).ok);         // no unit stride
+  CHECK_FALSE(blas_matrix(3, 4, 0, 1).ok);         // broadcast rows overlap
+  CHECK_FALSE(blas_matrix(3, 4, 2, 1).ok);         // overlapping rows
+  CHECK_FALSE(blas_matrix(3, 4, 1, 0).ok);         // broadcast columns
+  CHECK_FALSE(blas_matrix(3, 1, 0, 1).ok);         // a broadcast column vector
+}
+
+TEST_CASE("covering_windows agrees with the windows' definition") {
+  for (std::int64_t size = 1; size <= 9; ++size)
+    for (std::int64_t kernel = 1; kernel <= 4; ++kernel)
+      for (std::int64_t stride = 1; stride <= 3; ++stride)
+        for (std::int64_t padding = 0; padding <= 2; ++padding) {
+          if (kernel > size + 2 * padding) continue;
+          const std::int64_t out = (size + 2 * padding - kernel) / stride + 1;
+          for (std::int64_t x = 0; x < size; ++x) {
+            std::int64_t first = 0, last = 0;
+            kernels::covering_windows(x, kernel, stride, padding, out, &first, &last);
+            std::int64_t want_first = -1, want_last = -2;
+            for (std::int64_t o = 0; o < out; ++o) {
+              if (o * stride - padding <= x && x < o * stride - padding + kernel) {
+                if (want_first < 0) want_first = o;
+                want_last = o;
+              }
+            }
+            INFO("size " << size << " kernel " << kernel << " stride " << stride << " padding "
+                         << padding << " x " << x);
+            if (want_first < 0) {
+              CHECK(first > last);
+            } else {
+              CHECK(first == want_first);
+              CHECK(last == want_last);
+            }
+          }
+        }
+}
+
+namespace {
+
+// Equal values, NaN equal to NaN.
+bool same_values(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (!(a[i] == b[i] || (std::isnan(a[i]) && std::isnan(b[i])))) return false;
+  return true;
+}
+
+kernels::Window2d window(const Shape& x, std::int64_t kh, std::int64_t kw, std::int64_t stride,
+                         std::int64_t padding) {
+  kernels::Window2d w;
+  w.channels = x[x.size() - 3], w.height = x[x.size() - 2], w.width = x[x.size() - 1];
+  w.kernel_h = kh, w.kernel_w = kw, w.stride = stride, w.padding = padding;
+  w.out_h = (w.height + 2 * padding - kh) / stride + 1;
+  w.out_w = (w.width + 2 * padding - kw) / stride + 1;
+  return w;
+}
+
+// Values from a few levels, so that windows hold ties; one NaN where `nan` is set.
+Tensor levels(const Shape& shape, DType dtype, std::uint64_t seed, bool nan = false) {
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (std::size_t i = 0; i < v.size(); ++i)
+    v[i] = static_cast<double>((i * 7 + seed * 3) % 5) - 2.0;
+  if (nan && v.size() > 3) v[3] = std::nan("");
+  return from_vector(v, shape).to(dtype);
+}
+
+struct WindowCase {
+  Shape x;
+  std::int64_t kh, kw, stride, padding;
+};
+
+const WindowCase kWindowCases[] = {
+    {{2, 3, 6, 6}, 3, 3, 1, 1}, {{1, 2, 7, 5}, 2, 3, 2, 0}, {{2, 1, 5, 5}, 3, 3, 2, 1},
+    {{1, 2, 5, 5}, 2, 2, 3, 1}, {{1, 1, 1, 1}, 1, 1, 1, 0}, {{1, 2, 9, 9}, 4, 4, 3, 2},
+};
+
+}  // namespace
+
+TEST_CASE("the CUDA kernels' per-element math matches the CPU kernels bit for bit") {
+  for (const WindowCase& wc : kWindowCases) {
+    const kernels::Window2d w = window(wc.x, wc.kh, wc.kw, wc.stride, wc.padding);
+    const std::int64_t batch = wc.x[0], image = w.channels * w.height * w.width;
+    INFO("x " << shape_str(wc.x) << " kernel " << wc.kh << "x" << wc.kw << " stride " << wc.stride
+              << " padding " << wc.padding);
+    for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16}) {
+      INFO(dtype_name(dt));
+      dispatch_float(dt, "test", [&]<class T>() {
+        using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+        const DType col_dtype = std::is_same_v<C, double> ? DType::f64 : DType::f32;
+        // im2col of one image from a strided x.
+        const Tensor x = non_contiguous(levels(wc.x, dt, 1)).select(0, 0);  // (C, H, W)
+        Tensor col = empty({w.col_rows(), w.col_cols()}, {.dtype = col_dtype});
+        kernels::cpu::im2col(x.kview(), col.kview(), w);
+        std::vector<double> got;
+        for (std::int64_t e = 0; e < col.numel(); ++e)
+          got.push_back(kernels::im2col_element<T, C>(x.kview(), w, e));
+        CHECK(same_values(got, col.to_vector()));
+
+        // col2im onto a non-zero image.
+        const Tensor dcol = input({w.col_rows(), w.col_cols()}, -1, 1, 2).detach().to(col_dtype);
+        const Tensor start =
+            input({w.channels, w.height, w.width}, -1, 1, 3).detach().to(col_dtype);
+        Tensor dx = start.clone();
+        kernels::cpu::col2im(dcol.kview(), dx.kview(), w);
+        got.clear();
+        for (std::int64_t e = 0; e < image; ++e)
+          got.push_back(kernels::col2im_element(dcol.kview().ptr<const C>(),
+                                                start.kview().ptr<const C>()[e], w, e));
+        CHECK(same_values(got, dx.to_vector()));
+
+        // max_pool2d over ties and a NaN, from a strided x, then its backward onto a non-zero dx.
+        if (wc.padding > std::min(wc.kh, wc.kw) / 2 || wc.kh != wc.kw) return;
+        const Tensor xp = non_contiguous(levels(wc.x, dt, 4, true));
+        const Shape out_shape{batch, w.channels, w.out_h, w.out_w};
+        Tensor out = empty(out_shape, {.dtype = dt}),
+               indices = empty(out_shape, {.dtype = DType::i64});
+        kernels::cpu::max_pool2d(xp.kview(), out.kview(), indices.kview(), w);
+        std::vector<double> got_out, got_at;
+        for (std::int64_t e = 0; e < out.numel(); ++e) {
+          std::int64_t at = -2;
+          got_out.push_back(static_cast<T>(kernels::max_pool2d_element<T>(xp.kview(), w, e, &at)));
+          got_at.push_back(static_cast<double>(at));
+        }
+        CHECK(same_values(got_out, out.to_vector()));
+        CHECK(same_values(got_at, indices.to_vector()));
+
+        const Tensor dy = non_contiguous(input(out_shape, -1, 1, 5).detach().to(dt));
+        const Tensor dx_start = input(wc.x, -1, 1, 6).detach().to(dt);
+        Tensor dxp = dx_start.clone();
+        kernels::cpu::max_pool2d_backward(dy.kview(), indices.kview(), dxp.kview(), w);
+        got.clear();
+        for (std::int64_t e = 0; e < dxp.numel(); ++e) {
+          const T acc = dx_start.kview().ptr<const T>()[e];
+          got.push_back(static_cast<double>(static_cast<compute_t<T>>(
+              kernels::max_pool2d_backward_element<T>(dy.kview(), indices.kview(), acc, w, e))));
+        }
+        CHECK(same_values(got, dxp.to_vector()));
+      });
+    }
+  }
+}
+
+TEST_CASE("meta mirroring CUDA: a bf16 linear makes no f32 operand copies") {
+  constexpr std::int64_t m = 64, k = 256, n = 256;
+  // Peak bytes above the start of a forward and backward of a bf16 linear on meta, with the
+  // weight's gradient in a preset f32 buffer (an arena slot), under the given backend.
+  auto peak = [&](Backend backend, bool backward) {
+    MetaBackendGuard mirror(backend);
+    Tensor x = empty({m, k}, {.dtype = DType::bf16, .device = kMeta}).requires_grad_(true);
+    Tensor w = empty({n, k}, {.dtype = DType::bf16, .device = kMeta}).requires_grad_(true);
+    Tensor b = empty({n}, {.dtype = DType::bf16, .device = kMeta});
+    w.set_grad(empty({n, k}, {.dtype = DType::f32, .device = kMeta}));
+    reset_peak_memory_stats(kMeta);
+    const std::int64_t start = memory_stats(kMeta).allocated.current;
+    {
+      Tensor y = linear(x, w, b);
+      if (backward) sum(y).backward();
+    }
+    return memory_stats(kMeta).allocated.peak - start;
+  };
+  const std::int64_t cpu_forward = peak(Backend::cpu, false),
+                     cuda_forward = peak(Backend::cuda, false);
+  INFO("forward peaks: cpu " << cpu_forward << ", cuda " << cuda_forward);
+  CHECK(cuda_forward < cpu_forward);
+  // On CUDA the forward allocates its bf16 output and nothing else: no f32 x, w or output.
+  CHECK(cuda_forward < m * n * 2 + m * k * 4);
+  const std::int64_t cpu_step = peak(Backend::cpu, true), cuda_step = peak(Backend::cuda, true);
+  INFO("forward + backward peaks: cpu " << cpu_step << ", cuda " << cuda_step);
+  CHECK(cuda_step < cpu_step);
+}
+
+TEST_CASE("meta mirroring CUDA: conv2d and max_pool2d give shapes and run no kernel") {
+  MetaBackendGuard mirror(Backend::cuda);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    Tensor x = empty({2, 3, 9, 9}, {.dtype = dt, .device = kMeta}).requires_grad_(true);
+    Tensor w = empty({4, 3, 3, 3}, {.dtype = dt, .device = kMeta}).requires_grad_(true);
+    Tensor b = empty({4}, {.dtype = dt, .device = kMeta}).requires_grad_(true);
+    Tensor y = max_pool2d(conv2d(x, w, b, {.stride = 2, .padding = 1}), {.kernel_size = 2});
+    CHECK(y.shape() == Shape{2, 4, 2, 2});
+    sum(y).backward();
+    CHECK(x.grad().shape() == x.shape());
+    CHECK(w.grad().shape() == w.shape());
+    CHECK(w.grad().dtype() == dt);
+  }
+}
+
+// ---- CUDA against the CPU -----------------------------------------------------------------------
+
+MB_CUDA_TEST_CASE("cuda matmul: every shape rule, layout and dtype") {
+  auto f = [](const std::vector<Tensor>& in) { return matmul(in[0], in[1]); };
+  for (DType dt : kFloatTypes) {
+    const ParityOptions tol = parity_tolerance(dt);
+    check_cuda_parity(label("matmul 2-d", dt), f, {leaf({3, 4}, dt, 1), leaf({4, 5}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul odd", dt), f, {leaf({31, 33}, dt, 1), leaf({33, 1}, dt, 2)},
+                      tol);
+    check_cuda_parity(label("matmul 1-d @ 2-d", dt), f, {leaf({4}, dt, 1), leaf({4, 3}, dt, 2)},
+                      tol);
+    check_cuda_parity(label("matmul 2-d @ 1-d", dt), f, {leaf({3, 4}, dt, 1), leaf({4}, dt, 2)},
+                      tol);
+    check_cuda_parity(label("matmul 1-d @ 1-d", dt), f, {leaf({33}, dt, 1), leaf({33}, dt, 2)},
+                      tol);
+    check_cuda_parity(label("matmul batched", dt), f,
+                      {leaf({2, 3, 4}, dt, 1), leaf({2, 4, 5}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul broadcast batch", dt), f,
+                      {leaf({2, 1, 3, 4}, dt, 1), leaf({3, 4, 2}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul (..., K) @ (K, N)", dt), f,
+                      {leaf({2, 3, 4}, dt, 1), leaf({4, 2}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul transposed operands", dt), f,
+                      {transposed_leaf({5, 6}, dt, 1), transposed_leaf({6, 7}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul batched transposed", dt), f,
+                      {transposed_leaf({3, 5, 6}, dt, 1), leaf({3, 6, 7}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul non-contiguous", dt), f,
+                      {non_contiguous(leaf({5, 6}, dt, 1)), non_contiguous(leaf({6, 3}, dt, 2))},
+                      tol);
+    check_cuda_parity(label("matmul empty inner dim", dt), f,
+                      {leaf({3, 0}, dt, 1), leaf({0, 4}, dt, 2)}, tol);
+    check_cuda_parity(label("matmul one row", dt), f, {leaf({1, 1}, dt, 1), leaf({1, 9}, dt, 2)},
+                      tol);
+  }
+  // A broadcast (stride-0) operand is copied before cuBLAS sees it.
+  auto g = [](const std::vector<Tensor>& in) { return matmul(in[0].expand({4, 5}), in[1]); };
+  check_cuda_parity("matmul expanded rows", g,
+                    {leaf({1, 5}, DType::f32, 1), leaf({5, 3}, DType::f32, 2)});
+  // A long dot product: f32 accumulation over 1,000,003 products.
+  check_cuda_parity("matmul long dot", f,
+                    {leaf({1000003}, DType::f32, 1), leaf({1000003}, DType::f32, 2)},
+                    {.rtol = 1e-3, .atol = 1e-2});
+}
+
+MB_CUDA_TEST_CASE("cuda matmul: 16-bit accumulates in f32 and gives 16-bit") {
+  for (DType dt : {DType::f16, DType::bf16}) {
+    Tensor a = ones({1, 4096}, {.dtype = dt, .device = cuda_device(0)});
+    Tensor b = full({4096, 1}, 1.0 / 64, {.dtype = dt, .device = cuda_device(0)});
+    Tensor c = matmul(a, b);
+    CHECK(c.dtype() == dt);
+    CHECK(c.to(kCPU).item() == 64.0);
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda linear: with and without bias, forward and backward") {
+  auto with_bias = [](const std::vector<Tensor>& in) { return linear(in[0], in[1], in[2]); };
+  auto without = [](const std::vector<Tensor>& in) { return linear(in[0], in[1]); };
+  for (DType dt : kFloatTypes) {
+    const ParityOptions tol = parity_tolerance(dt);
+    check_cuda_parity(label("linear bias", dt), with_bias,
+                      {leaf({2, 3, 33}, dt, 1), leaf({31, 33}, dt, 2), leaf({31}, dt, 3)}, tol);
+    check_cuda_parity(label("linear no bias", dt), without,
+                      {leaf({7, 4}, dt, 1), leaf({5, 4}, dt, 2)}, tol);
+    check_cuda_parity(label("linear 1-d input", dt), with_bias,
+                      {leaf({4}, dt, 1), leaf({5, 4}, dt, 2), leaf({5}, dt, 3)}, tol);
+    check_cuda_parity(
+        label("linear transposed weight", dt), with_bias,
+        {non_contiguous(leaf({6, 4}, dt, 1)), transposed_leaf({5, 4}, dt, 2), leaf({5}, dt, 3)},
+        tol);
+  }
+}
+
+MB_CUDA_TEST_CASE(
+    "cuda linear: the weight gradient accumulates into an arena slot like the CPU's") {
+  // Two micro-batches with weight 0.25 each, into a preset gradient buffer: grad += 0.25 * dy^T x.
+  struct Case {
+    DType input, grad;
+  };
+  for (Case c :
+       {Case{DType::f32, DType::f32}, Case{DType::bf16, DType::f32}, Case{DType::f16, DType::f32},
+        Case{DType::bf16, DType::bf16}, Case{DType::f16, DType::f16}}) {
+    CAPTURE(dtype_name(c.input));
+    CAPTURE(dtype_name(c.grad));
+    const Tensor x1 = input({6, 33}, -1, 1, 1).detach(), x2 = input({6, 33}, -1, 1, 2).detach();
+    const Tensor w0 = input({31, 33}, -1, 1, 3).detach(), b0 = input({31}, -1, 1, 4).detach();
+    const Tensor dy = input({6, 31}, -1, 1, 5).detach();
+    auto run = [&](Device device) {
+      Tensor w = w0.to(device, c.input).detach().requires_grad_(true);
+      Tensor b = b0.to(device, c.input).detach().requires_grad_(true);
+      Tensor buffer = full({31, 33}, 0.5, {.dtype = c.grad, .device = device});
+      w.set_grad(buffer);
+      {
+        GradWeightGuard weight(0.25);
+        for (const Tensor& x : {x1, x2})
+          sum(linear(x.to(device, c.input), w, b) * dy.to(device, c.input)).backward();
+      }
+      return std::pair{w.grad(), buffer};
+    };
+    const auto [cpu_grad, cpu_buffer] = run(kCPU);
+    const auto [gpu_grad, gpu_buffer] = run(cuda_device(0));
+    CHECK(gpu_grad.same_storage(gpu_buffer));  // written in place, no dw temporary
+    CHECK(gpu_grad.dtype() == c.grad);
+    const ParityOptions tol = parity_tolerance(c.input == DType::f32 ? c.grad : c.input);
+    check_close(gpu_grad.to(kCPU).to(DType::f64), cpu_grad.to(DType::f64), tol.rtol, tol.atol,
+                "weight gradient in the arena");
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda gemm: a layout cuBLAS cannot take is refused with both operands named") {
+  const Device gpu = cuda_device(0);
+  Tensor a = zeros({1, 3, 4}, {.device = gpu}), b = zeros({1, 4, 5}, {.device = gpu});
+  Tensor c = zeros({1, 5, 3}, {.device = gpu}).transpose(1, 2);  // (1, 3, 5), column-major
+  check_throws_with([&] { kernels::cuda::gemm(a.kview(), b.kview(), c.kview(), 1.0, 0.0); },
+                    "[gemm] c must be row-major");
+  Tensor d = zeros({1, 3, 5}, {.dtype = DType::f64, .device = gpu});
+  check_throws_with([&] { kernels::cuda::gemm(a.kview(), b.kview(), d.kview(), 1.0, 0.0); },
+                    "[gemm] unsupported dtypes");
+}
+
+MB_CUDA_TEST_CASE("cuda conv2d: strides, padding, channel counts, bias, layouts and dtypes") {
+  struct Case {
+    Shape x, w;
+    std::int64_t stride, padding;
+    bool bias;
+  };
+  const Case cases[] = {
+      {{2, 3, 8, 8}, {4, 3, 3, 3}, 1, 1, true},   // same-size output
+      {{1, 1, 7, 7}, {1, 1, 3, 3}, 2, 0, false},  // one channel, stride 2
+      {{3, 5, 9, 6}, {7, 5, 2, 3}, 2, 1, true},   // odd channel counts, rectangular kernel
+      {{2, 4, 5, 5}, {6, 4, 1, 1}, 1, 0, true},   // 1x1
+      {{1, 2, 5, 5}, {3, 2, 2, 2}, 3, 2, false},  // a stride larger than the kernel
+      {{2, 16, 12, 12}, {33, 16, 3, 3}, 1, 1, true},
+  };
+  for (DType dt : kFloatTypes) {
+    const ParityOptions tol = parity_tolerance(dt);
+    for (const Case& c : cases) {
+      const std::int64_t s = c.stride, p = c.padding;
+      auto f = [s, p](const std::vector<Tensor>& in) {
+        return conv2d(in[0], in[1], in[2], {.stride = s, .padding = p});
+      };
+      const std::string name = label("conv2d x" + shape_str(c.x) + " w" + shape_str(c.w) + " s" +
+                                         std::to_string(s) + " p" + std::to_string(p),
+                                     dt);
+      check_cuda_parity(
+          name, f, {leaf(c.x, dt, 1), leaf(c.w, dt, 2), c.bias ? leaf({c.w[0]}, dt, 3) : Tensor()},
+          tol);
+    }
+    auto f = [](const std::vector<Tensor>& in) {
+      return conv2d(in[0], in[1], in[2], {.padding = 1});
+    };
+    check_cuda_parity(label("conv2d non-contiguous", dt), f,
+                      {non_contiguous(leaf({2, 3, 6, 6}, dt, 1)),
+                       non_contiguous(leaf({4, 3, 3, 3}, dt, 2)), leaf({4}, dt, 3)},
+                      tol);
+    // Only the weight needs a gradient (x without grad), and only x.
+    check_cuda_parity(
+        label("conv2d weight only", dt), f,
+        {to_dtype(input({2, 3, 6, 6}, -1, 1, 1).detach(), dt), leaf({4, 3, 3, 3}, dt, 2), Tensor()},
+        tol);
+    check_cuda_parity(
+        label("conv2d input only", dt), f,
+        {leaf({2, 3, 6, 6}, dt, 1), to_dtype(input({4, 3, 3, 3}, -1, 1, 2).detach(), dt), Tensor()},
+        tol);
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda conv2d and max_pool2d backward are deterministic") {
+  const Device gpu = cuda_device(0);
+  for (DType dt : {DType::f32, DType::bf16}) {
+    auto grads = [&] {
+      Tensor x = input({4, 8, 16, 16}, -1, 1, 1).detach().to(gpu, dt).requires_grad_(true);
+      Tensor w = input({16, 8, 3, 3}, -1, 1, 2).detach().to(gpu, dt).requires_grad_(true);
+      Tensor y = max_pool2d(conv2d(x, w, {}, {.padding = 1}),
+                            {.kernel_size = 3, .stride = 1, .padding = 1});
+      sum(y * y).backward();
+      return std::pair{x.grad().to(kCPU, DType::f64).to_vector(),
+                       w.grad().to(kCPU, DType::f64).to_vector()};
+    };
+    const auto first = grads(), second = grads();
+    CHECK(first.first == second.first);
+    CHECK(first.second == second.second);
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda max_pool2d: forward and backward, overlapping windows, padding, dtypes") {
+  struct Case {
+    Shape x;
+    MaxPool2dOptions options;
+  };
+  const Case cases[] = {
+      {{2, 3, 8, 8}, {.kernel_size = 2}},
+      {{2, 3, 9, 7}, {.kernel_size = 3, .stride = 1, .padding = 1}},  // overlapping windows
+      {{1, 5, 11, 11}, {.kernel_size = 3, .stride = 2, .padding = 1}},
+      {{3, 1, 1, 1}, {.kernel_size = 1}},
+      {{1, 33, 31, 31}, {.kernel_size = 4, .stride = 3, .padding = 2}},
+  };
+  for (DType dt : kFloatTypes) {
+    // The kernels mirror the CPU's scan and sums, so in f32 and f64 values and gradients agree
+    // exactly; 16-bit gradients also pass through dtype conversions of the harness's own ops.
+    const bool wide = dt == DType::f32 || dt == DType::f64;
+    const ParityOptions tol = wide ? ParityOptions{.rtol = 0, .atol = 0} : parity_tolerance(dt);
+    for (const Case& c : cases) {
+      const MaxPool2dOptions o = c.options;
+      auto f = [o](const std::vector<Tensor>& in) { return max_pool2d(in[0], o); };
+      check_cuda_parity(
+          label("max_pool2d x" + shape_str(c.x) + " k" + std::to_string(o.kernel_size), dt), f,
+          {leaf(c.x, dt, 1)}, tol);
+    }
+    auto f = [](const std::vector<Tensor>& in) { return max_pool2d(in[0], {.kernel_size = 2}); };
+    check_cuda_parity(label("max_pool2d non-contiguous", dt), f,
+                      {non_contiguous(leaf({2, 3, 6, 6}, dt, 1))}, tol);
+  }
+}

@@ -1,0 +1,331 @@
+// The CUDA row kernels (softmax, log_softmax, cross_entropy, layer_norm) and the fused attention
+// kernel against the CPU: values and gradients in f32, f16 and bf16, odd widths, ignored and
+// out-of-range targets, and reruns that must give the same bits. The CPU cases check the head
+// layout arithmetic the attention kernel shares with the host, and that the meta device predicts
+// the fused kernel's smaller footprint.
+#include <cmath>
+#include <string>
+
+#include "core/autograd.h"
+#include "core/ops/dispatch.h"
+#include "kernels/attention.h"
+#include "kernels/nn.h"
+#include "tests/core/harness.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+
+namespace {
+
+using V = std::vector<Tensor>;
+
+// A leaf requiring grad: deterministic values in [lo, hi), rounded once to dt.
+Tensor leaf(const Shape& shape, DType dt, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  Tensor t = input(shape, lo, hi, seed).detach().to(dt);
+  t.requires_grad_(true);
+  return t;
+}
+
+std::string label(const std::string& what, DType dt, std::int64_t n) {
+  return what + " " + dtype_name(dt) + " " + std::to_string(n);
+}
+
+// Row i's target is (7 i + 3) mod C, except the rows listed, which get ignore_index.
+Tensor class_targets(std::int64_t n, std::int64_t c, const std::vector<std::int64_t>& ignored,
+                     DType dt = DType::i64) {
+  std::vector<double> values(n);
+  for (std::int64_t i = 0; i < n; ++i) values[i] = static_cast<double>((7 * i + 3) % c);
+  for (std::int64_t i : ignored) values[i] = -100;
+  return from_vector(values, {n}, {.dtype = dt});
+}
+
+// Attention computed on the CPU in f32 whatever the dtype (the reference for the fused CUDA
+// kernel, which does its math in f32), on CUDA in the inputs' dtype.
+OpFn attention_fn(bool causal, bool heads_transposed = false) {
+  return [causal, heads_transposed](const V& in) {
+    V x = in;
+    if (heads_transposed) {  // (B, T, H, D) leaves viewed as (B, H, T, D), as in a transformer
+      for (Tensor& t : x) t = t.transpose(1, 2);
+    }
+    AttentionOptions options;
+    options.causal = causal;
+    if (!in[0].device().is_cpu()) return scaled_dot_product_attention(x[0], x[1], x[2], options);
+    const DType dt = in[0].dtype();
+    return scaled_dot_product_attention(x[0].to(DType::f32), x[1].to(DType::f32),
+                                        x[2].to(DType::f32), options)
+        .to(dt);
+  };
+}
+
+// The gradients of sum(f(inputs) * r) on cuda:0, copied to the CPU.
+V cuda_grads(const OpFn& f, const V& inputs) {
+  V on_gpu;
+  for (const Tensor& t : inputs) {
+    Tensor g = t.detach().to(cuda_device(0));
+    g.requires_grad_(t.requires_grad());
+    on_gpu.push_back(g);
+  }
+  Tensor out = f(on_gpu);
+  Tensor r = input(out.shape(), -1, 1, 99).detach().to(out.dtype()).to(cuda_device(0));
+  sum(out * r).backward();
+  V grads;
+  for (const Tensor& t : on_gpu)
+    if (t.requires_grad()) grads.push_back(t.grad().to(kCPU));
+  return grads;
+}
+
+void check_same_bits(const V& a, const V& b, const std::string& what) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    CHECK_MESSAGE(a[i].to_vector() == b[i].to_vector(), what << ": gradient " << i << " differs");
+}
+
+}  // namespace
+
+// ---- host-side arithmetic ----------------------------------------------------------------------
+
+TEST_CASE("attention head strides: 4-d views with transposed heads, and 3-d views") {
+  // (B, T, H, D) = (2, 5, 3, 4) holding its own row-major index, viewed as (B, H, T, D).
+  Tensor x = arange(0, 120, 1, {.dtype = DType::f32}).reshape({2, 5, 3, 4});
+  const kernels::StridedView v = x.transpose(1, 2).kview();
+  const kernels::HeadStrides s = kernels::head_strides(v);
+  CHECK(s.heads == 3);
+  const float* base = v.ptr<float>();
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t h = 0; h < 3; ++h)
+      for (std::int64_t t = 0; t < 5; ++t)
+        for (std::int64_t c = 0; c < 4; ++c)
+          CHECK(base[kernels::head_offset(s, b * 3 + h) + t * s.row + c] ==
+                static_cast<float>(((b * 5 + t) * 3 + h) * 4 + c));
+
+  Tensor y = arange(0, 24, 1, {.dtype = DType::f32}).reshape({2, 3, 4});  // (B, T, D)
+  const kernels::HeadStrides s3 = kernels::head_strides(y.kview());
+  CHECK(s3.heads == 1);
+  CHECK(kernels::head_offset(s3, 1) + 2 * s3.row + 3 == 23);
+}
+
+TEST_CASE("layer norm backward chunks: at least 32 rows each, at most 128") {
+  CHECK(kernels::layer_norm_chunks(0) == 0);
+  CHECK(kernels::layer_norm_chunks(1) == 1);
+  CHECK(kernels::layer_norm_chunks(32) == 1);
+  CHECK(kernels::layer_norm_chunks(33) == 2);
+  CHECK(kernels::layer_norm_chunks(4096) == 128);
+  CHECK(kernels::layer_norm_chunks(1000003) == 128);
+}
+
+TEST_CASE("attention on meta: the fused CUDA path's peak is below the composed path's") {
+  const std::int64_t b = 2, h = 4, t = 256, d = 64;
+  auto peak = [&](Backend backend) {
+    MetaBackendGuard guard(backend);
+    const TensorOptions meta{.device = kMeta};
+    Tensor q = empty({b, h, t, d}, meta), k = empty({b, h, t, d}, meta),
+           v = empty({b, h, t, d}, meta);
+    for (Tensor* x : {&q, &k, &v}) x->requires_grad_(true);
+    reset_peak_memory_stats(kMeta);
+    const std::int64_t before = memory_stats(kMeta).allocated.current;
+    {
+      Tensor out = scaled_dot_product_attention(q, k, v);
+      CHECK(out.shape() == Shape{b, h, t, d});
+      sum(out).backward();
+    }
+    return memory_stats(kMeta).allocated.peak - before;
+  };
+  const std::int64_t fused = peak(Backend::cuda), composed = peak(Backend::cpu);
+  const std::int64_t probs = b * h * t * t * 4;  // one (B, H, T, S) f32 tensor
+  INFO("peak allocated: fused " << fused << ", composed " << composed);
+  CHECK(fused + probs <= composed);
+}
+
+// ---- softmax and log_softmax -------------------------------------------------------------------
+
+MB_CUDA_TEST_CASE("cuda softmax and log_softmax match the CPU over the last dim") {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16, DType::f64}) {
+    for (std::int64_t cols : {1, 33, 1000, 1025, 50257}) {
+      const std::int64_t rows = cols > 1025 ? 3 : 9;
+      Tensor x = leaf({rows, cols}, dt, 1 + cols, -4, 4);
+      check_cuda_parity(
+          label("softmax", dt, cols), [](const V& in) { return softmax(in[0], -1); }, {x},
+          parity_tolerance(dt));
+      check_cuda_parity(
+          label("log_softmax", dt, cols), [](const V& in) { return log_softmax(in[0], -1); }, {x},
+          parity_tolerance(dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda softmax and log_softmax match the CPU over an inner dim") {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (std::int64_t cols : {1, 33, 1000}) {
+      Tensor x = leaf({4, cols, 3}, dt, 2 + cols, -4, 4);
+      check_cuda_parity(
+          label("softmax dim 1", dt, cols), [](const V& in) { return softmax(in[0], 1); }, {x},
+          parity_tolerance(dt));
+      check_cuda_parity(
+          label("log_softmax dim 0", dt, cols), [](const V& in) { return log_softmax(in[0], 0); },
+          {x}, parity_tolerance(dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda softmax: large and -inf logits stay finite where the CPU's do") {
+  Tensor x = from_vector({1e4, 1e4 - 1, -1e4, 0, -INFINITY, 3, 2, 1}, {2, 4});
+  check_cuda_parity("softmax extremes", [](const V& in) { return softmax(in[0], -1); }, {x},
+                    {.check_grads = false});
+  check_cuda_parity("log_softmax extremes", [](const V& in) { return log_softmax(in[0], -1); }, {x},
+                    {.check_grads = false});
+}
+
+// ---- cross-entropy -----------------------------------------------------------------------------
+
+MB_CUDA_TEST_CASE("cuda cross_entropy matches the CPU: ignored rows, smoothing, 16-bit, 50257") {
+  struct Case {
+    std::int64_t n, c;
+    DType dt;
+    double smoothing;
+  };
+  for (const Case& k : {Case{8, 10, DType::f32, 0.0}, Case{8, 10, DType::f32, 0.1},
+                        Case{6, 1000, DType::f16, 0.0}, Case{6, 1000, DType::bf16, 0.2},
+                        Case{7, 1025, DType::f32, 0.0}, Case{4, 50257, DType::f32, 0.0},
+                        Case{4, 50257, DType::bf16, 0.1}, Case{5, 33, DType::f64, 0.3}}) {
+    Tensor logits = leaf({k.n, k.c}, k.dt, 3 + k.c, -5, 5);
+    Tensor target = class_targets(k.n, k.c, {1, 3});
+    for (Reduction reduction : {Reduction::None, Reduction::Sum, Reduction::Mean}) {
+      const CrossEntropyOptions options{.reduction = reduction, .label_smoothing = k.smoothing};
+      check_cuda_parity(
+          label("cross_entropy s=" + std::to_string(k.smoothing), k.dt, k.c),
+          [options](const V& in) { return cross_entropy(in[0], in[1], options); }, {logits, target},
+          parity_tolerance(k.dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda cross_entropy: every row ignored, i32 targets, (N, C, d) logits") {
+  Tensor logits = leaf({4, 7}, DType::f32, 5);
+  Tensor none = class_targets(4, 7, {0, 1, 2, 3});
+  for (Reduction reduction : {Reduction::None, Reduction::Sum, Reduction::Mean}) {
+    // Mean gives 0 / 0 = NaN on both devices, and zero gradients.
+    check_cuda_parity(
+        "cross_entropy all ignored",
+        [reduction](const V& in) { return cross_entropy(in[0], in[1], {.reduction = reduction}); },
+        {logits, none});
+  }
+  check_cuda_parity("cross_entropy i32 targets",
+                    [](const V& in) { return cross_entropy(in[0], in[1]); },
+                    {logits, class_targets(4, 7, {2}, DType::i32)});
+  Tensor spatial = leaf({2, 5, 3}, DType::f32, 6);
+  Tensor spatial_target = from_vector({0, 4, -100, 2, 1, 3}, {2, 3}, {.dtype = DType::i64});
+  check_cuda_parity("cross_entropy (N, C, d)",
+                    [](const V& in) { return cross_entropy(in[0], in[1]); },
+                    {spatial, spatial_target});
+}
+
+MB_CUDA_TEST_CASE("cuda cross_entropy: an out-of-range target is reported at the next host copy") {
+  const Device gpu = cuda_device(0);
+  Tensor logits = zeros({3, 4}).to(gpu);
+  Tensor bad = from_vector({0, 7, 1}, {3}, {.dtype = DType::i64}).to(gpu);
+  Tensor loss = cross_entropy(logits, bad);  // no error yet: the check does not wait for the GPU
+  check_throws_with([&] { loss.to(kCPU); }, "[cross_entropy] index 7 is out of range");
+  // Reported once; the device goes on working.
+  Tensor good = from_vector({0, 3, 1}, {3}, {.dtype = DType::i64}).to(gpu);
+  CHECK(cross_entropy(logits, good).to(kCPU).item() == doctest::Approx(std::log(4.0)));
+}
+
+// ---- layer norm --------------------------------------------------------------------------------
+
+MB_CUDA_TEST_CASE("cuda layer_norm matches the CPU: with and without affine, 16-bit, odd widths") {
+  for (DType dt : {DType::f32, DType::f16, DType::bf16, DType::f64}) {
+    for (std::int64_t cols : {1, 33, 768, 1500}) {
+      Tensor x = leaf({70, cols}, dt, 7 + cols, -3, 3);
+      Tensor w = leaf({cols}, dt, 8 + cols, 0.5, 1.5), b = leaf({cols}, dt, 9 + cols);
+      check_cuda_parity(
+          label("layer_norm affine", dt, cols),
+          [cols](const V& in) { return layer_norm(in[0], {cols}, in[1], in[2]); }, {x, w, b},
+          parity_tolerance(dt));
+      check_cuda_parity(
+          label("layer_norm plain", dt, cols),
+          [cols](const V& in) { return layer_norm(in[0], {cols}); }, {x}, parity_tolerance(dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda layer_norm: many rows, 3-d input, offset values, weight only") {
+  Tensor x = leaf({5000, 64}, DType::f32, 10);  // 128 chunks of 40 rows for dweight
+  Tensor w = leaf({64}, DType::f32, 11, 0.5, 1.5), b = leaf({64}, DType::f32, 12);
+  auto affine = [](const V& in) { return layer_norm(in[0], {64}, in[1], in[2]); };
+  check_cuda_parity("layer_norm 5000 rows", affine, {x, w, b});
+  check_same_bits(cuda_grads(affine, {x, w, b}), cuda_grads(affine, {x, w, b}), "layer_norm rerun");
+  Tensor x3 = leaf({2, 35, 48}, DType::bf16, 13);
+  Tensor w3 = leaf({35, 48}, DType::bf16, 14);
+  check_cuda_parity(
+      "layer_norm over two dims, weight only",
+      [](const V& in) {
+        return layer_norm(in[0], {35, 48}, in[1]);
+      },
+      {x3, w3}, parity_tolerance(DType::bf16));
+  Tensor far = (leaf({6, 100}, DType::f32, 15).detach() + 1e4).detach();
+  far.requires_grad_(true);
+  check_cuda_parity("layer_norm of 1e4 + noise",
+                    [](const V& in) { return layer_norm(in[0], {100}); }, {far});
+}
+
+// ---- fused attention ---------------------------------------------------------------------------
+
+MB_CUDA_TEST_CASE("cuda fused attention matches the composed CPU attention, forward and backward") {
+  struct Case {
+    Shape q, k;  // v has k's shape
+  };
+  for (const Case& c : {Case{{1, 2, 33, 64}, {1, 2, 33, 64}},    // one partial tile
+                        Case{{2, 3, 17, 64}, {2, 3, 45, 64}},    // T < S
+                        Case{{1, 2, 50, 32}, {1, 2, 20, 32}},    // T > S
+                        Case{{2, 4, 1, 64}, {2, 4, 40, 64}},     // T = 1
+                        Case{{2, 1, 70, 128}, {2, 1, 70, 128}},  // D = 128
+                        Case{{1, 2, 19, 40}, {1, 2, 23, 40}},    // D padded to 64
+                        Case{{3, 37, 8}, {3, 37, 8}},            // 3-d, small D
+                        Case{{1, 1, 5, 1}, {1, 1, 5, 1}}}) {     // D = 1
+    Tensor q = leaf(c.q, DType::f32, 21, -2, 2), k = leaf(c.k, DType::f32, 22, -2, 2),
+           v = leaf(c.k, DType::f32, 23);
+    for (bool causal : {false, true}) {
+      check_cuda_parity(
+          "attention " + shape_str(c.q) + " x " + shape_str(c.k) + (causal ? " causal" : ""),
+          attention_fn(causal), {q, k, v});
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda fused attention in f16 and bf16 against the CPU in f32") {
+  for (DType dt : {DType::f16, DType::bf16}) {
+    for (std::int64_t d : {64, 128}) {
+      Tensor q = leaf({2, 2, 40, d}, dt, 31, -2, 2), k = leaf({2, 2, 40, d}, dt, 32, -2, 2),
+             v = leaf({2, 2, 40, d}, dt, 33);
+      for (bool causal : {false, true})
+        check_cuda_parity(label(causal ? "attention causal" : "attention", dt, d),
+                          attention_fn(causal), {q, k, v}, parity_tolerance(dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda fused attention: transposed heads, long sequences, the same bits twice") {
+  // (B, T, H, D) leaves read through strided (B, H, T, D) views, without copies.
+  Tensor q = leaf({2, 130, 3, 64}, DType::f32, 41), k = leaf({2, 130, 3, 64}, DType::f32, 42),
+         v = leaf({2, 130, 3, 64}, DType::f32, 43);
+  check_cuda_parity("attention transposed heads", attention_fn(true, true), {q, k, v});
+  check_same_bits(cuda_grads(attention_fn(true, true), {q, k, v}),
+                  cuda_grads(attention_fn(true, true), {q, k, v}), "attention rerun");
+  Tensor ql = leaf({1, 2, 300, 64}, DType::bf16, 44), kl = leaf({1, 2, 300, 64}, DType::bf16, 45),
+         vl = leaf({1, 2, 300, 64}, DType::bf16, 46);
+  check_cuda_parity("attention T = 300 bf16", attention_fn(true), {ql, kl, vl},
+                    parity_tolerance(DType::bf16));
+}
+
+MB_CUDA_TEST_CASE("cuda attention outside the fused kernel's range uses the composed path") {
+  // Dropout, f64 and D > 128 run the composition on CUDA too.
+  Tensor q = leaf({1, 2, 9, 130}, DType::f32, 51), k = leaf({1, 2, 9, 130}, DType::f32, 52),
+         v = leaf({1, 2, 9, 130}, DType::f32, 53);
+  check_cuda_parity("attention D = 130", attention_fn(true), {q, k, v});
+  Tensor q64 = leaf({1, 2, 9, 16}, DType::f64, 54), k64 = leaf({1, 2, 9, 16}, DType::f64, 55),
+         v64 = leaf({1, 2, 9, 16}, DType::f64, 56);
+  check_cuda_parity(
+      "attention f64",
+      [](const V& in) { return scaled_dot_product_attention(in[0], in[1], in[2]); },
+      {q64, k64, v64}, parity_tolerance(DType::f64));
+}
