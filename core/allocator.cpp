@@ -324,6 +324,10 @@ Allocator& allocator(Device device) {
       if (a == nullptr) {
         a = new Allocator(device, std::make_unique<CudaBackend>(device.index),
                           AllocatorRules::Segmented);
+        // MB_ALLOCATOR_BYPASS=1: every block goes back to cudaFree, so compute-sanitizer sees
+        // each allocation's real bounds.
+        const char* bypass = std::getenv("MB_ALLOCATOR_BYPASS");
+        if (bypass != nullptr && std::string(bypass) == "1") a->set_cache_policy(CachePolicy::Bypass);
       }
       return *a;
     }
