@@ -17,6 +17,8 @@
 #   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
 #   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json
 #   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
+#   bench_attention benchmarks/attention_cuda.cpp       -> OUTDIR/attention.json
+#   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
 #
@@ -56,7 +58,7 @@ CUDA="${MB_CUDA:-ON}"
 PYTHON="${PYTHON:-python3}"
 SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
 BOX_SCALE="${MB_GPU_CHECK_BOX_SCALE:-1}"
-STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 planner compare}"
+STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 bench_attention torch_attention planner compare}"
 RESERVE=10  # seconds kept for writing the results at the end
 START=$(date +%s)
 DEADLINE=$((START + SECONDS_TOTAL))
@@ -65,7 +67,7 @@ TABLE="$OUT/stages.tsv"  # name, status, seconds, message: one line per stage ru
 mkdir -p "$OUT/stages"
 : >"$LOG"
 : >"$TABLE"
-rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,planner,compare}.json
+rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,attention,torch_attention,planner,compare}.json
 
 say() { echo "[gpu_check] $*" | tee -a "$LOG"; }
 tsv_field() { printf '%s' "$1" | tr '\t\n' '  '; }
@@ -142,6 +144,10 @@ def figures(name):
         return {f"batch_{r['batch']}": {key: r.get(key) for key in ("step_ms_median", "tokens_per_s",
                                                                    "peak_allocated_bytes", "peak_reserved_bytes")}
                 for r in j.get("runs", [])}
+    if name in ("bench_attention", "torch_attention"):
+        j = load("attention.json" if name == "bench_attention" else "torch_attention.json")
+        return {key: j.get(key) for key in ("forward_ms", "forward_backward_ms", "forward_tflops",
+                                            "forward_backward_tflops")} if j else {}
     if name == "planner":
         j = load("planner.json")
         return {r["budget"]: {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",
@@ -275,7 +281,7 @@ else
 fi
 
 TARGETS=(microbatch_cli tests_core tests_train)
-[[ "$CUDA" == ON ]] && TARGETS+=(bench_kernels_cuda bench_gpt2_cuda)
+[[ "$CUDA" == ON ]] && TARGETS+=(bench_kernels_cuda bench_gpt2_cuda bench_attention_cuda)
 if ((BUILD_OK)) && wanted build; then
   run_stage build 330 60 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}" || BUILD_OK=0
 elif wanted build; then
@@ -295,7 +301,7 @@ for suite in tests_core tests_train; do
 done
 
 # ---- GPU stages ---------------------------------------------------------------------------------
-GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 planner compare"
+GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 bench_attention torch_attention planner compare"
 if [[ -z "$GPU" || "$CUDA" != ON ]]; then
   reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
   for s in $GPU_STAGES; do skip_stage "$s" "$reason"; done
@@ -337,6 +343,14 @@ else
     else
       run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$OUT/gpt2_init.safetensors" \
         --tokens "$OUT/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
+    fi
+  fi
+  wanted bench_attention && run_stage bench_attention 30 10 "$BUILD_DIR/bench_attention_cuda" --json "$OUT/attention.json"
+  if wanted torch_attention; then
+    if [[ -z "$TORCH" ]]; then
+      skip_stage torch_attention "PyTorch is not importable by $PYTHON"
+    else
+      run_stage torch_attention 40 15 "$PYTHON" benchmarks/torch_attention.py --json "$OUT/torch_attention.json"
     fi
   fi
   KEEP=15  # for the comparison
