@@ -57,17 +57,6 @@ void launch(const char* op, Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
   }
 }
 
-/// For ops with no CUDA kernel: a CUDA tensor names the op in the error.
-template <class CpuFn>
-void launch(const char* op, Device device, CpuFn&& cpu_fn) {
-  switch (device.type) {
-    case DeviceType::meta: return;
-    case DeviceType::cpu: std::forward<CpuFn>(cpu_fn)(); return;
-    case DeviceType::cuda: break;
-  }
-  MB_CHECK(false, "[{}] has no CUDA kernel in this build yet", op);
-}
-
 /// The broadcast of two shapes (numpy rules); `op` names the caller in the error.
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
 
