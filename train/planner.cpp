@@ -31,11 +31,11 @@ namespace microbatch::train {
 // reserved peak, the blocks the caching allocator holds beyond live tensors (freed blocks kept for
 // reuse, blocks larger than their request). Workspace is the price of caching, not of the model.
 //
-// Note [Outside the allocator]: on a GPU, cuBLAS and cuBLASLt each take a 32 MiB workspace per
-// device with cudaMalloc, once, on first use (kernels/cuda/runtime.cu), and the CUDA context takes
+// Note [Outside the allocator]: on a GPU, cuBLAS takes a 32 MiB workspace per device with
+// cudaMalloc, once, on first use (kernels/cuda/runtime.cu), and the CUDA context takes
 // a few hundred MiB that the driver manages. None of it goes through the caching allocator, so the
 // budget (which the allocator enforces) does not cover it and the predicted and measured peaks do
-// not count it; the plan states the workspaces beside the budget, so that budget + overheads is
+// not count it; the plan states the workspace beside the budget, so that budget + overheads is
 // what the device must have free.
 
 namespace {
@@ -64,7 +64,7 @@ class PredictionScope {
   GeneratorState rng_;
 };
 
-// The cuBLAS and cuBLASLt workspace size (kernels/cuda/runtime.cu).
+// The cuBLAS workspace size (kernels/cuda/runtime.cu).
 constexpr std::int64_t kCublasWorkspaceBytes = std::int64_t{32} << 20;
 
 std::string breakdown_text(const MemoryBreakdown& b) {
@@ -80,7 +80,7 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; 
 
 std::vector<DeviceOverhead> device_overheads(Device device) {
   if (!device.is_cuda()) return {};
-  return {{"cuBLAS workspace", kCublasWorkspaceBytes}, {"cuBLASLt workspace", kCublasWorkspaceBytes}};
+  return {{"cuBLAS workspace", kCublasWorkspaceBytes}};
 }
 
 std::int64_t MemoryBreakdown::total() const {

@@ -46,7 +46,7 @@ struct DeviceOverhead {
 };
 
 /// What the device holds outside the allocator while training there: nothing on the CPU; on CUDA
-/// the cuBLAS and cuBLASLt workspaces. The CUDA context itself is the driver's and not listed.
+/// the cuBLAS workspace. The CUDA context itself is the driver's and not listed.
 std::vector<DeviceOverhead> device_overheads(Device device);
 
 struct MemoryPlan {

@@ -16,7 +16,6 @@ struct PerDevice {
   cudaStream_t stream = nullptr;  // nullptr: the legacy default stream
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
-  void* cublaslt_workspace = nullptr;
   int sm_count = 0;
 #ifdef MB_HAVE_CUDNN
   cudnnHandle_t cudnn = nullptr;
@@ -78,22 +77,6 @@ cublasHandle_t cublas_handle() {
   }
   MB_CUBLAS_CHECK(cublasSetStream(d.cublas, d.stream));
   return d.cublas;
-}
-
-cublasLtHandle_t cublaslt_handle() {
-  static cublasLtHandle_t handle = [] {
-    cublasLtHandle_t h = nullptr;
-    MB_CUBLAS_CHECK(cublasLtCreate(&h));
-    return h;
-  }();
-  return handle;
-}
-
-void* cublaslt_workspace(std::size_t* bytes) {
-  PerDevice& d = per_device(current_device());
-  if (d.cublaslt_workspace == nullptr) MB_CUDA_CHECK(cudaMalloc(&d.cublaslt_workspace, kCublasWorkspaceBytes));
-  *bytes = kCublasWorkspaceBytes;
-  return d.cublaslt_workspace;
 }
 
 int multiprocessor_count() {

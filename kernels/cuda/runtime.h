@@ -1,8 +1,7 @@
-// What CUDA kernels and library calls share: the current stream, the cuBLAS / cuBLASLt / cuDNN
-// handles bound to it, error checks for launches and libraries. Included by .cu files only.
+// What CUDA kernels and library calls share: the current stream, the cuBLAS and cuDNN handles
+// bound to it, error checks for launches and libraries. Included by .cu files only.
 #pragma once
 
-#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -23,9 +22,6 @@ void set_current_stream(cudaStream_t stream);
 
 /// cuBLAS handle of the current device, bound to current_stream(), with its workspace set.
 cublasHandle_t cublas_handle();
-/// cuBLASLt handle (one per process) and the current device's workspace for it.
-cublasLtHandle_t cublaslt_handle();
-void* cublaslt_workspace(std::size_t* bytes);
 
 /// Streaming multiprocessors on the current device (cached).
 int multiprocessor_count();
