@@ -93,35 +93,12 @@ void col2im(const StridedView& col, const StridedView& dx, const Window2d& w) {
 void max_pool2d(const StridedView& x, const StridedView& out, const StridedView& indices,
                 const Window2d& w) {
   dispatch_float(x.dtype, "max_pool2d", [&]<class T>() {
-    using C = compute_t<T>;
-    const T* src = x.ptr<const T>();
     T* dst = out.ptr<T>();
     std::int64_t* idx = indices.ptr<std::int64_t>();
-    const std::int64_t batch = x.shape[0];
-    for (std::int64_t n = 0; n < batch; ++n) {
-      for (std::int64_t c = 0; c < w.channels; ++c) {
-        const T* plane = src + n * x.strides[0] + c * x.strides[1];
-        for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
-          const std::int64_t h0 = oh * w.stride - w.padding;
-          for (std::int64_t ow = 0; ow < w.out_w; ++ow) {
-            const std::int64_t w0 = ow * w.stride - w.padding;
-            C best = -std::numeric_limits<C>::infinity();
-            std::int64_t best_at = -1;
-            for (std::int64_t h = h0 < 0 ? 0 : h0; h < h0 + w.kernel_h && h < w.height; ++h) {
-              for (std::int64_t ww = w0 < 0 ? 0 : w0; ww < w0 + w.kernel_w && ww < w.width; ++ww) {
-                const C v = static_cast<C>(plane[h * x.strides[2] + ww * x.strides[3]]);
-                // Strictly greater keeps the first maximum; NaN replaces anything and stays.
-                if (best_at < 0 || v > best || (v != v && best == best)) {
-                  best = v;
-                  best_at = h * w.width + ww;
-                }
-              }
-            }
-            *dst++ = static_cast<T>(best);
-            *idx++ = best_at;
-          }
-        }
-      }
+    // One output element at a time, with the window scan the CUDA kernel runs too (kernels/conv.h).
+    const std::int64_t total = x.shape[0] * w.channels * w.out_h * w.out_w;
+    for (std::int64_t e = 0; e < total; ++e) {
+      dst[e] = static_cast<T>(max_pool2d_element<T>(x, w, e, &idx[e]));
     }
   });
 }
