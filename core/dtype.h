@@ -69,4 +69,14 @@ decltype(auto) dispatch_float(DType dt, const char* op, F&& f) {
   return f.template operator()<float>();
 }
 
+/// Calls f.template operator()<I>() with I the index type of dt: std::int64_t or std::int32_t;
+/// `op` names the caller in the error for any other dtype.
+template <class F>
+decltype(auto) dispatch_index(DType dt, const char* op, F&& f) {
+  if (dt == DType::i32) return f.template operator()<std::int32_t>();
+  MB_CHECK(dt == DType::i64, "[{}] expected an index tensor (i64 or i32), got {}", op,
+           dtype_name(dt));
+  return f.template operator()<std::int64_t>();
+}
+
 }  // namespace microbatch

@@ -40,15 +40,6 @@ void walk(const StridedView& shape, const std::int64_t* const (&strides)[N], F&&
   }
 }
 
-// Calls f.template operator()<I>() with I the index type (i32 or i64).
-template <class F>
-decltype(auto) dispatch_index(DType dt, F&& f) {
-  MB_ASSERT(dt == DType::i32 || dt == DType::i64, "index dtype {} is not i32 or i64",
-            dtype_name(dt));
-  if (dt == DType::i32) return f.template operator()<std::int32_t>();
-  return f.template operator()<std::int64_t>();
-}
-
 // The strides of `v` with the one along `dim` zeroed: the index supplies that coordinate.
 struct Strides {
   std::int64_t s[kMaxDims] = {};
@@ -64,7 +55,7 @@ Strides without_dim(const StridedView& v, int dim) {
 IndexRangeError first_out_of_range(const StridedView& index, std::int64_t size) {
   IndexRangeError err;
   std::int64_t position = 0;
-  dispatch_index(index.dtype, [&]<class I>() {
+  dispatch_index(index.dtype, "first_out_of_range", [&]<class I>() {
     const I* p = index.ptr<I>();
     const std::int64_t* const strides[1] = {index.strides};
     walk<1>(index, strides, [&](const std::int64_t* off) {
@@ -84,7 +75,7 @@ void gather(const StridedView& out, const StridedView& in, const StridedView& in
   dispatch_all(out.dtype, [&]<class T>() {
     T* o = out.ptr<T>();
     const T* x = in.ptr<T>();
-    dispatch_index(index.dtype, [&]<class I>() {
+    dispatch_index(index.dtype, "gather", [&]<class I>() {
       const I* idx = index.ptr<I>();
       const std::int64_t* const strides[3] = {out.strides, in_other.s, index.strides};
       walk<3>(out, strides, [&](const std::int64_t* off) {
@@ -104,7 +95,7 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
     using C = compute_t<T>;
     T* d = dst.ptr<T>();
     const T* s = src.ptr<T>();
-    dispatch_index(index.dtype, [&]<class I>() {
+    dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
       const I* idx = index.ptr<I>();
       const std::int64_t* const strides[3] = {src.strides, dst_other.s, index.strides};
       walk<3>(src, strides, [&](const std::int64_t* off) {

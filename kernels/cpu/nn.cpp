@@ -112,17 +112,6 @@ std::int64_t target_at(const StridedView& target, std::int64_t i) {
   return static_cast<std::int64_t>(target.ptr<I>()[i * target.strides[0]]);
 }
 
-template <class F>
-void dispatch_index(const StridedView& target, F&& f) {
-  if (target.dtype == DType::i64) {
-    f.template operator()<std::int64_t>();
-  } else {
-    MB_CHECK(target.dtype == DType::i32, "[cross_entropy] target must be i64 or i32, got {}",
-             dtype_name(target.dtype));
-    f.template operator()<std::int32_t>();
-  }
-}
-
 }  // namespace
 
 void softmax_forward(SoftmaxKind kind, const StridedView& out, const StridedView& in,
@@ -206,7 +195,7 @@ void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
   const double s = args.label_smoothing;
   dispatch_float(logits.dtype, "cross_entropy", [&]<class T>() {
     using C = compute_t<T>;
-    dispatch_index(target, [&]<class I>() {
+    dispatch_index(target.dtype, "cross_entropy", [&]<class I>() {
       for (std::int64_t i = 0; i < n; ++i) {
         const std::int64_t t = target_at<I>(target, i);
         C& li = loss.ptr<C>()[i * loss.strides[0]];
@@ -250,7 +239,7 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
     // The smoothed target is off = s / C on every class, plus on = 1 - s on the label.
     const C off = static_cast<C>(s / static_cast<double>(cols));
     const C on = static_cast<C>(1.0 - s);
-    dispatch_index(target, [&]<class I>() {
+    dispatch_index(target.dtype, "cross_entropy", [&]<class I>() {
       for (std::int64_t i = 0; i < n; ++i) {
         const std::int64_t t = target_at<I>(target, i);
         T* d = dlogits.ptr<T>() + i * cols;

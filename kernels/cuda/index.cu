@@ -49,15 +49,6 @@ SlotState& slot_state(int device) {
   return (*all)[device];
 }
 
-// Calls f.template operator()<I>() with I the index type (i32 or i64).
-template <class F>
-void dispatch_index(DType dt, F&& f) {
-  MB_ASSERT(dt == DType::i32 || dt == DType::i64, "index dtype {} is not i32 or i64",
-            dtype_name(dt));
-  if (dt == DType::i32) return f.template operator()<std::int32_t>();
-  return f.template operator()<std::int64_t>();
-}
-
 template <class I>
 __global__ void find_bad_index(IndexErrorSlot* slot, const I* index, Indexer<1> ix, std::int64_t n,
                                std::int64_t size, std::int64_t allowed) {
@@ -160,7 +151,7 @@ void check_index_range(const StridedView& index, std::int64_t size, std::int64_t
   const StridedView* const views[1] = {&index};
   const Indexer<1> ix = make_indexer(views);
   cudaStream_t stream = current_stream();
-  dispatch_index(index.dtype, [&]<class I>() {
+  dispatch_index(index.dtype, "check_index_range", [&]<class I>() {
     find_bad_index<I><<<grid_for(n, kThreads), kThreads, 0, stream>>>(slot, index.ptr<I>(), ix, n,
                                                                       size, allowed);
     MB_CUDA_CHECK_LAUNCH("find_bad_index");
@@ -208,7 +199,7 @@ void gather(const StridedView& out, const StridedView& in, const StridedView& in
   const std::int64_t size = in.ndim == 0 ? 1 : in.shape[dim];
   cudaStream_t stream = current_stream();
   dispatch_all(out.dtype, [&]<class T>() {
-    dispatch_index(index.dtype, [&]<class I>() {
+    dispatch_index(index.dtype, "gather", [&]<class I>() {
       gather_kernel<T, I><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
           out.ptr<T>(), in.ptr<T>(), index.ptr<I>(), ix, n, in_dim_stride, size);
     });
@@ -245,7 +236,7 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
   constexpr int kLineThreads = 64;
   cudaStream_t stream = current_stream();
   dispatch_all(dst.dtype, [&]<class T>() {
-    dispatch_index(index.dtype, [&]<class I>() {
+    dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
       scatter_add_lines<T, I><<<grid_for(lines, kLineThreads), kLineThreads, 0, stream>>>(
           dst.ptr<T>(), src.ptr<T>(), index.ptr<I>(), ix, lines, length, src_step, index_step,
           dst_dim_stride, size);
