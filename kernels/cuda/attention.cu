@@ -61,10 +61,6 @@ __device__ __forceinline__ bool visible(const Operands<T>& p, std::int64_t i, st
   return i < p.t && j < p.s && (!p.causal || j <= i);
 }
 
-__device__ __forceinline__ float max_nan(float a, float b) {
-  return (a != a || a > b) ? a : b;  // NaN wins, so that a NaN score gives a NaN row
-}
-
 // tile[r * stride + c] = element c of row first + r of src, in f32, for r < tile_rows and
 // c < kMaxD; zero past `rows` or `d`, so that dot products over kMaxD equal those over d.
 // Consecutive threads read consecutive elements of a row.

@@ -9,6 +9,7 @@
 #include "core/dtype.h"
 #include "core/half.h"
 #include "kernels/cuda/runtime.h"
+#include "kernels/elementwise_ops.h"
 #include "kernels/view.h"
 
 namespace microbatch::kernels::cuda {
@@ -52,12 +53,15 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+/// max(a, b) with NaN winning, as torch.maximum and the CPU kernels (ops::Maximum).
+template <class T>
+__device__ __forceinline__ T max_nan(T a, T b) {
+  return ops::Maximum{}(a, b);
+}
+
 template <class T>
 __device__ __forceinline__ T warp_max(T v) {
-  for (int o = 16; o > 0; o >>= 1) {
-    T other = __shfl_xor_sync(kFullMask, v, o);
-    v = (v != v || v > other) ? v : other;  // NaN wins, as the CPU kernels
-  }
+  for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(kFullMask, v, o));
   return v;
 }
 
@@ -73,18 +77,6 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
   const int warps = blockDim.x >> 5;
   T total = lane < warps ? scratch[lane] : T(0);
   return warp_sum(total);
-}
-
-template <class T>
-__device__ __forceinline__ T block_max(T v, T* scratch, T lowest) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  const int warps = blockDim.x >> 5;
-  T total = lane < warps ? scratch[lane] : lowest;
-  return warp_max(total);
 }
 
 }  // namespace microbatch::kernels::cuda

@@ -60,11 +60,6 @@ __device__ __forceinline__ A group_sum(A v, A* scratch) {
   }
 }
 
-template <class A>
-__device__ __forceinline__ A max_nan(A a, A b) {
-  return (a != a || a > b) ? a : b;  // NaN wins, as in warp_max
-}
-
 // A row's max and its sum of exp(x - max), found in one pass (online softmax): each thread keeps
 // the pair for its columns, rescaling its sum when its max grows, and the pairs of a group are
 // merged. A pair whose max is -inf holds nothing (all -inf, or no column). A NaN column makes the
@@ -436,17 +431,6 @@ std::int64_t row_count(const StridedView& v, std::int64_t cols) {
   return cols > 0 ? v.numel() / cols : 0;
 }
 
-template <class F>
-void dispatch_target(const StridedView& target, F&& f) {
-  if (target.dtype == DType::i64) {
-    f.template operator()<std::int64_t>();
-  } else {
-    MB_CHECK(target.dtype == DType::i32, "[cross_entropy] target must be i64 or i32, got {}",
-             dtype_name(target.dtype));
-    f.template operator()<std::int32_t>();
-  }
-}
-
 }  // namespace
 
 void softmax_forward(SoftmaxKind kind, const StridedView& out, const StridedView& in,
@@ -487,7 +471,7 @@ void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
   if (rows == 0) return;
   dispatch_float(logits.dtype, "cross_entropy", [&]<class T>() {
     using A = compute_t<T>;
-    dispatch_target(target, [&]<class I>() {
+    dispatch_index(target.dtype, "cross_entropy", [&]<class I>() {
       with_row_group(cols, [&]<RowGroup G>() {
         cross_entropy_forward_kernel<T, I, G>
             <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
@@ -512,7 +496,7 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
     // The smoothed target is off = s / C on every class, plus on = 1 - s on the label.
     const A off = static_cast<A>(s / static_cast<double>(cols));
     const A on = static_cast<A>(1.0 - s);
-    dispatch_target(target, [&]<class I>() {
+    dispatch_index(target.dtype, "cross_entropy", [&]<class I>() {
       with_row_group(cols, [&]<RowGroup G>() {
         cross_entropy_backward_kernel<T, I, G>
             <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
