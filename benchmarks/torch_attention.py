@@ -4,25 +4,10 @@
 """
 import argparse
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
-
-
-def time_reps(fn, warmup=3, reps=20):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+from torch_timing import time_reps
 
 
 def main():
@@ -41,7 +26,9 @@ def main():
     def fwd_bwd():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
 
-    f, fb = time_reps(fwd), time_reps(fwd_bwd)
+    device = torch.device("cuda")
+    f = time_reps(device, 3, 20, fwd)["median_ms"]
+    fb = time_reps(device, 3, 20, fwd_bwd)["median_ms"]
     flops = 4.0 * a.batch * 12 * 1024 * 1024 * 64 / 2
     out = {"shape": shape, "forward_ms": f, "forward_backward_ms": fb,
            "forward_tflops": flops / (f * 1e-3) / 1e12, "forward_backward_tflops": 3.5 * flops / (fb * 1e-3) / 1e12}

@@ -24,12 +24,12 @@ import math
 import statistics
 import struct
 import sys
-import time
 
 try:
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+    from torch_timing import Timer
 except ImportError:
     print("torch_gpt2: PyTorch is not installed for", sys.executable, file=sys.stderr)
     sys.exit(3)
@@ -108,29 +108,6 @@ class GPT(nn.Module):
             x = block(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # the head tied to the token embedding
         return F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(B * T))
-
-
-class Timer:
-    """Marks in a CUDA stream (events) or in host time (CPU)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-        return len(self.marks) - 1
-
-    def ms(self, a, b):
-        if self.cuda:
-            self.marks[b].synchronize()
-            return self.marks[a].elapsed_time(self.marks[b])
-        return (self.marks[b] - self.marks[a]) * 1e3
 
 
 def main():

@@ -27,13 +27,12 @@ What is compared, exactly:
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 
 try:
     import torch
     import torch.nn.functional as F
+    from torch_timing import Timer, summarize, sync, time_reps
 except ImportError:  # the GPU check reports this as a skipped stage
     print("torch_kernels: PyTorch is not installed for", sys.executable, file=sys.stderr)
     sys.exit(3)
@@ -44,51 +43,6 @@ FULL = dict(copy_bytes=2 << 30, accumulate_n=256 << 20, norm_n=512 << 20, arena=
             ce_cols=50257)
 QUICK = dict(copy_bytes=64 << 20, accumulate_n=4 << 20, norm_n=4 << 20, arena=768 * 1000 + 1344, ce_rows=64,
              ce_cols=50257)
-
-
-class Timer:
-    """Marks in a CUDA stream (events) or in host time (CPU)."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-        return len(self.marks) - 1
-
-    def ms(self, a, b):
-        if self.cuda:
-            self.marks[b].synchronize()
-            return self.marks[a].elapsed_time(self.marks[b])
-        return (self.marks[b] - self.marks[a]) * 1e3
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def summarize(ms):
-    return dict(median_ms=statistics.median(ms), min_ms=min(ms), max_ms=max(ms), reps=len(ms))
-
-
-def time_reps(device, warmup, reps, fn):
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    timer = Timer(device)
-    marks = []
-    for _ in range(reps):
-        a = timer.mark()
-        fn()
-        marks.append((a, timer.mark()))
-    return summarize([timer.ms(a, b) for a, b in marks])
 
 
 def record(name, operands, nbytes, timing, target=None):

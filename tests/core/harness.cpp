@@ -11,6 +11,13 @@
 namespace microbatch::testing {
 
 namespace {
+// f64 values uniform in [lo, hi) drawn from `seed`, leaving the default generator as it was.
+Tensor seeded_uniform(const Shape& shape, std::uint64_t seed, double lo, double hi) {
+  GeneratorRestore restore;
+  manual_seed(seed);
+  return rand(shape, {.dtype = DType::f64}) * (hi - lo) + lo;
+}
+
 // Pointer to the flat-th element (row-major logical order) of a CPU f64 tensor.
 double* element(const Tensor& t, std::int64_t flat) {
   std::int64_t off = 0;
@@ -31,10 +38,7 @@ void gradcheck(const std::string& name, const OpFn& f, const std::vector<Tensor>
     probe = f(inputs);
   }
   // A fixed random projection makes every output element matter.
-  Generator saved = default_generator();
-  manual_seed(1234);
-  Tensor r = rand(probe.shape(), {.dtype = DType::f64}) * 2.0 - 1.0;
-  default_generator() = saved;
+  Tensor r = seeded_uniform(probe.shape(), 1234, -1.0, 1.0);
 
   for (const Tensor& t : inputs) if (t.defined() && t.requires_grad()) t.set_grad({});
   Tensor loss = sum(f(inputs) * r);
@@ -83,11 +87,7 @@ Tensor non_contiguous(const Tensor& t) {
 }
 
 Tensor input(const Shape& shape, double lo, double hi, std::uint64_t seed) {
-  Generator saved = default_generator();
-  manual_seed(seed);
-  Tensor u = rand(shape, {.dtype = DType::f64});
-  default_generator() = saved;
-  Tensor out = (u * (hi - lo) + lo).detach();
+  Tensor out = seeded_uniform(shape, seed, lo, hi).detach();
   out.requires_grad_(true);
   return out;
 }
@@ -171,10 +171,7 @@ void check_cuda_parity(const std::string& name, const OpFn& f, const std::vector
   check_close(gpu_values, cpu_values, options.rtol, options.atol, name + " output");
   if (!options.check_grads || !out_cpu.requires_grad()) return;
 
-  Generator saved = default_generator();
-  manual_seed(4321);
-  Tensor r = rand(out_cpu.shape(), {.dtype = DType::f64}) * 2.0 - 1.0;
-  default_generator() = saved;
+  Tensor r = seeded_uniform(out_cpu.shape(), 4321, -1.0, 1.0);
   sum(out_cpu.to(DType::f64) * r).backward();
   sum(out_gpu.to(DType::f64) * r.to(gpu)).backward();
   for (std::size_t i = 0; i < inputs.size(); ++i) {

@@ -10,11 +10,28 @@
 #include <vector>
 
 #include "core/ops.h"
+#include "core/rng.h"
 #include "core/tensor.h"
 
 namespace microbatch::testing {
 
 using OpFn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
+                                       DType::i32, DType::i64, DType::u8,  DType::boolean};
+inline constexpr DType kFloatDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
+
+/// Restores the default generator at scope exit, so a test leaves the random stream as it found it.
+class GeneratorRestore {
+ public:
+  GeneratorRestore() : saved_(default_generator().state()) {}
+  ~GeneratorRestore() { default_generator().set_state(saved_); }
+  GeneratorRestore(const GeneratorRestore&) = delete;
+  GeneratorRestore& operator=(const GeneratorRestore&) = delete;
+
+ private:
+  GeneratorState saved_;
+};
 
 struct GradcheckOptions {
   double eps = 1e-6;

@@ -15,19 +15,6 @@ using namespace microbatch::testing;
 
 namespace {
 
-constexpr DType kFloatDTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
-constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
-                                DType::i32, DType::i64, DType::u8,  DType::boolean};
-
-class GeneratorRestore {
- public:
-  GeneratorRestore() : saved_(default_generator().state()) {}
-  ~GeneratorRestore() { default_generator().set_state(saved_); }
-
- private:
-  GeneratorState saved_;
-};
-
 // input() in `dtype`, a leaf requiring grad when floating.
 Tensor input_as(const Shape& shape, DType dtype, double lo = -1.0, double hi = 1.0,
                 std::uint64_t seed = 1) {

@@ -25,9 +25,6 @@ namespace {
 
 using Bytes = std::vector<std::uint8_t>;
 
-constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
-                                DType::i32, DType::i64, DType::u8,  DType::boolean};
-
 // Bit-at-a-time CRC-32 (reflected 0xEDB88320), the textbook definition, as a reference for the
 // table-driven one.
 std::uint32_t crc32_bitwise(const std::uint8_t* p, std::size_t n) {

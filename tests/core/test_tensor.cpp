@@ -14,20 +14,6 @@ using namespace microbatch::testing;
 
 namespace {
 
-constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
-                                DType::i32, DType::i64, DType::u8,  DType::boolean};
-constexpr DType kFloatDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
-
-// Restores the default generator, so these tests leave the random stream as they found it.
-class GeneratorRestore {
- public:
-  GeneratorRestore() : saved_(default_generator().state()) {}
-  ~GeneratorRestore() { default_generator().set_state(saved_); }
-
- private:
-  GeneratorState saved_;
-};
-
 // The stored bits of each element of a 16-bit tensor, after converting f32 `values` to `dtype`.
 std::vector<std::uint16_t> bits_after_cast(const std::vector<float>& values, DType dtype) {
   std::vector<double> wide(values.begin(), values.end());  // every f32 is exact in f64
