@@ -1,5 +1,6 @@
 // Devices, streams, library handles, raw memory and copies (Note [One stream per device] in
 // kernels/device.h).
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
@@ -22,13 +23,15 @@ struct PerDevice {
 #endif
 };
 
-std::mutex g_mutex;
+std::mutex g_create_mutex;  // guards the lazy creation of a device's handles
 
-// Handles live for the whole process (released by the driver at exit), like the allocators.
+// One entry per visible device, made once, so that the lookup on every launch takes no lock and a
+// reference stays valid. Handles live for the whole process (released by the driver at exit), like
+// the allocators.
 PerDevice& per_device(int device) {
-  static std::vector<PerDevice>* all = new std::vector<PerDevice>();
-  std::lock_guard lock(g_mutex);
-  if (all->size() <= static_cast<std::size_t>(device)) all->resize(device + 1);
+  static std::vector<PerDevice>* all = new std::vector<PerDevice>(std::max(device_count(), 1));
+  MB_ASSERT(device >= 0 && device < static_cast<int>(all->size()), "cuda:{} of {} devices", device,
+            all->size());
   return (*all)[device];
 }
 
@@ -55,6 +58,7 @@ cudaStream_t current_stream() { return per_device(current_device()).stream; }
 
 void set_current_stream(cudaStream_t stream) {
   PerDevice& d = per_device(current_device());
+  std::lock_guard lock(g_create_mutex);
   d.stream = stream;
   if (d.cublas != nullptr) MB_CUBLAS_CHECK(cublasSetStream(d.cublas, stream));
 #ifdef MB_HAVE_CUDNN
@@ -68,14 +72,15 @@ std::uintptr_t current_stream_id(int device) {
 
 cublasHandle_t cublas_handle() {
   PerDevice& d = per_device(current_device());
+  std::lock_guard lock(g_create_mutex);
   if (d.cublas == nullptr) {
     MB_CUBLAS_CHECK(cublasCreate(&d.cublas));
     MB_CUDA_CHECK(cudaMalloc(&d.cublas_workspace, kCublasWorkspaceBytes));
     MB_CUBLAS_CHECK(cublasSetWorkspace(d.cublas, d.cublas_workspace, kCublasWorkspaceBytes));
     // Tensor cores for f32 GEMMs stay off: f32 means f32 (TF32 would break the 1e-3 parity).
     MB_CUBLAS_CHECK(cublasSetMathMode(d.cublas, CUBLAS_DEFAULT_MATH));
+    MB_CUBLAS_CHECK(cublasSetStream(d.cublas, d.stream));  // set_current_stream keeps it current
   }
-  MB_CUBLAS_CHECK(cublasSetStream(d.cublas, d.stream));
   return d.cublas;
 }
 
@@ -99,8 +104,11 @@ const char* cublas_status_name(cublasStatus_t status) { return cublasGetStatusSt
 #ifdef MB_HAVE_CUDNN
 cudnnHandle_t cudnn_handle() {
   PerDevice& d = per_device(current_device());
-  if (d.cudnn == nullptr) MB_CUDNN_CHECK(cudnnCreate(&d.cudnn));
-  MB_CUDNN_CHECK(cudnnSetStream(d.cudnn, d.stream));
+  std::lock_guard lock(g_create_mutex);
+  if (d.cudnn == nullptr) {
+    MB_CUDNN_CHECK(cudnnCreate(&d.cudnn));
+    MB_CUDNN_CHECK(cudnnSetStream(d.cudnn, d.stream));  // set_current_stream keeps it current
+  }
   return d.cudnn;
 }
 #endif
