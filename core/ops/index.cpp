@@ -55,11 +55,26 @@ Tensor gather_kernel(const char* op, const Tensor& a, const Shape& shape,
   return out;
 }
 
-// The backward of a gather: zeros of the input's shape with g scatter-added along dim.
+// The backward of a gather: zeros of the input's shape with g scatter-added along dim. On CUDA an
+// embedding-like scatter sorts its indices first (Note [Sorted scatter_add] in kernels/index.h),
+// in a workspace allocated here so that meta mirrors it.
 Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype, Tensor g,
                           const kernels::StridedView& index, int dim) {
   if (g.dtype() != dtype) g = g.to(dtype);
   Tensor dx = zeros(input_shape, {.dtype = dtype, .device = g.device()});
+  const std::int64_t sort_bytes =
+      backend_of(g.device()) == Backend::cuda
+          ? kernels::sorted_scatter_workspace_bytes(dx.kview(), g.kview(), index, dim)
+          : 0;
+  if (sort_bytes > 0) {
+    Tensor workspace = empty({sort_bytes}, {.dtype = DType::u8, .device = g.device()});
+    launch(
+        op, g.device(), [&] { MB_ASSERT(false, "[{}] the sorted scatter runs on CUDA only", op); },
+        [&] {
+          kernels::cuda::scatter_add_sorted(dx.kview(), g.kview(), index, dim, workspace.kview());
+        });
+    return dx;
+  }
   launch(
       op, g.device(), [&] { kernels::cpu::scatter_add(dx.kview(), g.kview(), index, dim); },
       [&] { kernels::cuda::scatter_add(dx.kview(), g.kview(), index, dim); });

@@ -40,9 +40,40 @@ ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, b
   return p;
 }
 
-// Runs a row reduction: reduced dims are permuted last and made contiguous first.
+// The number of columns when `a` is a contiguous (rows, cols) matrix whose rows are the reduced
+// dims, both sides holding more than one element (dims of size 1 may sit anywhere); 0 otherwise.
+std::int64_t leading_columns(const Tensor& a, const ReducePlan& p) {
+  if (!a.is_contiguous()) return 0;
+  std::int64_t cols = 1;
+  for (int i = 0; i < a.dim(); ++i) {
+    const std::int64_t n = a.shape()[i];
+    if (n == 1) continue;
+    if (!p.reduced[i]) {
+      cols *= n;
+    } else if (cols > 1) {
+      return 0;  // a reduced dim after a kept one
+    }
+  }
+  return cols > 1 && p.inner > 1 ? cols : 0;
+}
+
+// Runs a row reduction: reduced dims are permuted last and made contiguous first. A CUDA sum over
+// leading dims sums columns in place instead (Note [Column sums] in kernels/reduce.h); its
+// workspace is allocated here so that meta mirrors it.
 Tensor reduce_kernel(const char* op, kernels::ReduceOp kind, const Tensor& a, const ReducePlan& p,
                      DType out_dtype) {
+  if (const std::int64_t cols = leading_columns(a, p);
+      cols > 0 && kind == kernels::ReduceOp::Sum && backend_of(a.device()) == Backend::cuda) {
+    const kernels::ColumnSplit split = kernels::column_split(p.inner, cols);
+    Tensor partials =
+        empty({split.chunks, cols},  // (chunks, C)
+              {.dtype = is_floating(a.dtype()) ? DType::f64 : DType::i64, .device = a.device()});
+    Tensor out = empty(p.out_shape, {.dtype = out_dtype, .device = a.device()});
+    launch(
+        op, a.device(), [&] { MB_ASSERT(false, "[{}] column sums run on CUDA only", op); },
+        [&] { kernels::cuda::sum_columns(out.kview(), a.kview(), cols, partials.kview()); });
+    return out;
+  }
   std::vector<std::int64_t> perm;
   for (int i = 0; i < a.dim(); ++i) if (!p.reduced[i]) perm.push_back(i);
   for (int i = 0; i < a.dim(); ++i) if (p.reduced[i]) perm.push_back(i);

@@ -6,10 +6,18 @@
 // owns it walks `dim` in order and adds without atomics, in the order the CPU adds; repeated
 // indices therefore give the CPU's bits, on every run. Both skip indices outside the valid range
 // rather than touch memory out of bounds; check_index_range reports them.
+//
+// scatter_add_sorted (Note [Sorted scatter_add] in kernels/index.h) serves the embedding backward,
+// where few lines each walk many positions: it writes (index, position) pairs, sorts them by index
+// with CUB's stable radix sort (out-of-range indices become one key past the end, a run that is
+// skipped), and scatter_add_runs gives each run of equal indices to a block, a thread per column,
+// adding in position order as the CPU does.
 #include <cuda_runtime.h>
 
+#include <bit>
 #include <climits>
 #include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
 #include <mutex>
 #include <vector>
 
@@ -141,6 +149,74 @@ __global__ void scatter_add_lines(T* dst, const T* src, const I* index, Indexer<
   }
 }
 
+// Sort input for scatter_add_sorted: keys[j] = index[j] where it lies in [0, size), else size;
+// positions[j] = j.
+template <class I>
+__global__ void sort_keys_kernel(unsigned* keys, int* positions, const I* index,
+                                 std::int64_t index_step, std::int64_t n, std::int64_t size) {
+  for (std::int64_t j = global_thread(); j < n; j += grid_threads()) {
+    const auto v = static_cast<std::int64_t>(index[j * index_step]);
+    keys[j] = static_cast<unsigned>(v >= 0 && v < size ? v : size);
+    positions[j] = static_cast<int>(j);
+  }
+}
+
+constexpr int kRunThreads = 128;
+
+// Element strides of the (positions, columns) source and the (size, columns) destination.
+struct RowStrides {
+  std::int64_t src_row, src_col, dst_row, dst_col;
+};
+
+// Block (x, y) adds the runs of equal keys that start at sorted positions x, x + gridDim.x, ...;
+// its threads take columns y * blockDim.x + threadIdx.x, ... A thread adds the run's source
+// elements of its column onto the destination element in position order, rounding to T after each
+// addition, as scatter_add_lines does. Runs have distinct keys, so no two threads write one
+// element. Keys and positions are loaded kChunk at a time; a run ends where the key changes (keys
+// are sorted, so the chunk's matches are a prefix).
+template <class T>
+__global__ void __launch_bounds__(kRunThreads)
+    scatter_add_runs(T* dst, const T* src, const unsigned* keys, const int* positions,
+                     std::int64_t n, std::int64_t cols, std::int64_t size, RowStrides st) {
+  using C = compute_t<T>;
+  constexpr int kChunk = 16;
+  const std::int64_t first_col = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  const std::int64_t col_step = static_cast<std::int64_t>(gridDim.y) * blockDim.x;
+  for (std::int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const unsigned key = keys[i];
+    if (key >= size || (i > 0 && keys[i - 1] == key)) continue;  // skipped, or inside a run
+    for (std::int64_t c = first_col; c < cols; c += col_step) {
+      const T* s = src + c * st.src_col;
+      T* target = dst + static_cast<std::int64_t>(key) * st.dst_row + c * st.dst_col;
+      T acc = *target;
+      for (std::int64_t j0 = i;; j0 += kChunk) {
+        unsigned k[kChunk];
+        int pos[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          const bool inside = j0 + u < n;
+          k[u] = inside ? keys[j0 + u] : key + 1;  // past the end: not in the run
+          pos[u] = inside ? positions[j0 + u] : 0;
+        }
+        int count = 0;  // leading positions of the chunk inside the run
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) count += k[u] == key ? 1 : 0;
+        C value[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          value[u] = u < count ? static_cast<C>(s[pos[u] * st.src_row]) : C(0);
+        }
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) {
+          if (u < count) acc = static_cast<T>(static_cast<C>(acc) + value[u]);
+        }
+        if (count < kChunk) break;
+      }
+      *target = acc;
+    }
+  }
+}
+
 }  // namespace
 
 void check_index_range(const StridedView& index, std::int64_t size, std::int64_t allowed,
@@ -243,6 +319,51 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
     });
   });
   MB_CUDA_CHECK_LAUNCH("scatter_add");
+}
+
+void scatter_add_sorted(const StridedView& dst, const StridedView& src, const StridedView& index,
+                        int dim, const StridedView& workspace) {
+  const std::int64_t bytes = sorted_scatter_workspace_bytes(dst, src, index, dim);
+  MB_ASSERT(bytes > 0 && dst.dtype == src.dtype,
+            "scatter_add_sorted does not apply to these views");
+  MB_ASSERT(workspace.is_contiguous() &&
+                workspace.numel() * static_cast<std::int64_t>(dtype_size(workspace.dtype)) >= bytes,
+            "scatter_add_sorted: a workspace of {} elements is below {} bytes", workspace.numel(),
+            bytes);
+  const std::int64_t n = src.shape[0], cols = src.shape[1], size = dst.shape[0];
+  const SortedScatterLayout layout = sorted_scatter_layout(n);
+  char* base = static_cast<char*>(workspace.data);
+  cub::DoubleBuffer<unsigned> keys(reinterpret_cast<unsigned*>(base + layout.keys[0]),
+                                   reinterpret_cast<unsigned*>(base + layout.keys[1]));
+  cub::DoubleBuffer<int> positions(reinterpret_cast<int*>(base + layout.positions[0]),
+                                   reinterpret_cast<int*>(base + layout.positions[1]));
+  const int end_bit = std::bit_width(static_cast<std::uint64_t>(size));  // keys in [0, size]
+  cudaStream_t stream = current_stream();
+  std::size_t sort_bytes = 0;
+  MB_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys, positions,
+                                                static_cast<int>(n), 0, end_bit, stream));
+  if (sort_bytes > static_cast<std::size_t>(layout.sort_bytes)) {
+    scatter_add(dst, src, index, dim);  // the bound fell short: the same bits, unsorted
+    return;
+  }
+  dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
+    sort_keys_kernel<I><<<grid_for(n, kThreads), kThreads, 0, stream>>>(
+        keys.Current(), positions.Current(), index.ptr<I>(), index.strides[0], n, size);
+  });
+  MB_CUDA_CHECK_LAUNCH("sort_keys_kernel");
+  MB_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + layout.sort, sort_bytes, keys, positions,
+                                                static_cast<int>(n), 0, end_bit, stream));
+  // About 8192 blocks: each checks a few sorted positions for the start of a run.
+  const auto col_blocks =
+      static_cast<unsigned>(std::min<std::int64_t>(ceil_div(cols, kRunThreads), 65535));
+  const auto run_blocks = static_cast<unsigned>(
+      std::min<std::int64_t>(n, std::max<std::int64_t>(1, 8192 / col_blocks)));
+  const RowStrides st{src.strides[0], src.strides[1], dst.strides[0], dst.strides[1]};
+  dispatch_all(dst.dtype, [&]<class T>() {
+    scatter_add_runs<T><<<dim3(run_blocks, col_blocks), kRunThreads, 0, stream>>>(
+        dst.ptr<T>(), src.ptr<T>(), keys.Current(), positions.Current(), n, cols, size, st);
+  });
+  MB_CUDA_CHECK_LAUNCH("scatter_add_runs");
 }
 
 }  // namespace microbatch::kernels::cuda

@@ -7,6 +7,13 @@
 // Lane l folds elements l, l + G, l + 2G, ... in order; the group then combines its partials in a
 // fixed tree (warp butterflies, then the warps' results in warp order), so a result never depends
 // on timing and a rerun gives the same bits.
+//
+// sum_columns (Note [Column sums] in kernels/reduce.h) sums a contiguous (rows, cols) input over
+// its rows without transposing it. A block covers kColumnSumTile adjacent columns and one chunk of
+// rows: its warps read whole 32-column segments of a row (coalesced), warp w folding rows w, w + 8,
+// ... of the chunk in order; the block adds its warps' partials in warp order into the workspace,
+// and a second kernel adds each column's chunk partials in chunk order. Every order is fixed by the
+// shape, so reruns give the same bits.
 #include <cstdint>
 #include <type_traits>
 
@@ -149,6 +156,79 @@ void reduce_with(const StridedView& out, const StridedView& in, std::int64_t row
   }
 }
 
+constexpr int kColumnWarps = 8;  // row groups of a column-sum block
+constexpr int kColumnThreads = kColumnWarps * static_cast<int>(kColumnSumTile);
+static_assert(kColumnSumTile == 32, "a column-sum block's warps each read one tile of a row");
+
+// Block (x, y) sums columns [32x, 32x + 32) over rows [y * rows_per_chunk, ...) into
+// partials[y * cols + c]. Each thread loads kUnroll rows before adding them (independent loads in
+// flight together) and adds in row order.
+template <class R, class T>
+__global__ void __launch_bounds__(kColumnThreads)
+    sum_columns_partial(typename R::Acc* partials, const T* in, std::int64_t rows,
+                        std::int64_t cols, std::int64_t rows_per_chunk) {
+  using Acc = typename R::Acc;
+  constexpr int kUnroll = 8;
+  __shared__ Acc scratch[kColumnWarps][kColumnSumTile];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  const std::int64_t col = static_cast<std::int64_t>(blockIdx.x) * kColumnSumTile + lane;
+  const std::int64_t begin = static_cast<std::int64_t>(blockIdx.y) * rows_per_chunk;
+  const std::int64_t end = begin + rows_per_chunk < rows ? begin + rows_per_chunk : rows;
+  Acc acc = R::identity();
+  if (col < cols) {
+    std::int64_t r = begin + warp;
+    for (; r + (kUnroll - 1) * kColumnWarps < end; r += kUnroll * kColumnWarps) {
+      T x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) x[u] = in[(r + u * kColumnWarps) * cols + col];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) acc = R::combine(acc, R::element(x[u], 0));
+    }
+    for (; r < end; r += kColumnWarps) acc = R::combine(acc, R::element(in[r * cols + col], 0));
+  }
+  scratch[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0 && col < cols) {
+    Acc total = scratch[0][lane];
+    for (int w = 1; w < kColumnWarps; ++w) total = R::combine(total, scratch[w][lane]);
+    partials[static_cast<std::int64_t>(blockIdx.y) * cols + col] = total;
+  }
+}
+
+// out[c] = the chunk partials of column c added in chunk order.
+template <class R>
+__global__ void sum_columns_final(void* out, const typename R::Acc* partials, std::int64_t chunks,
+                                  std::int64_t cols) {
+  for (std::int64_t col = global_thread(); col < cols; col += grid_threads()) {
+    typename R::Acc acc = partials[col];
+#pragma unroll 8
+    for (std::int64_t s = 1; s < chunks; ++s) acc = R::combine(acc, partials[s * cols + col]);
+    R::write(out, col, acc);
+  }
+}
+
+template <class R, class T>
+void launch_columns(const StridedView& out, const StridedView& in, std::int64_t rows,
+                    std::int64_t cols, const StridedView& partials) {
+  using Acc = typename R::Acc;
+  const ColumnSplit split = column_split(rows, cols);
+  MB_ASSERT(partials.is_contiguous() && partials.numel() == split.chunks * cols &&
+                dtype_size(partials.dtype) == sizeof(Acc),
+            "sum_columns: the workspace has {} elements of {} bytes, expected ({}, {}) of {}",
+            partials.numel(), dtype_size(partials.dtype), split.chunks, cols, sizeof(Acc));
+  MB_ASSERT(split.chunks <= 65535, "sum_columns: {} chunks exceed the grid's y limit",
+            split.chunks);
+  cudaStream_t stream = current_stream();
+  const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColumnSumTile)),
+                  static_cast<unsigned>(split.chunks));
+  sum_columns_partial<R, T><<<grid, kColumnThreads, 0, stream>>>(partials.ptr<Acc>(), in.ptr<T>(),
+                                                                 rows, cols, split.rows_per_chunk);
+  MB_CUDA_CHECK_LAUNCH("sum_columns_partial");
+  sum_columns_final<R><<<grid_for(cols, kThreads), kThreads, 0, stream>>>(
+      out.data, partials.ptr<Acc>(), split.chunks, cols);
+  MB_CUDA_CHECK_LAUNCH("sum_columns_final");
+}
+
 }  // namespace
 
 void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner) {
@@ -173,6 +253,22 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
     }
   });
   MB_CUDA_CHECK_LAUNCH("reduce_rows");
+}
+
+void sum_columns(const StridedView& out, const StridedView& in, std::int64_t cols,
+                 const StridedView& partials) {
+  MB_ASSERT(in.is_contiguous() && out.is_contiguous() && cols > 0 && in.numel() % cols == 0 &&
+                out.numel() == cols,
+            "sum_columns: input of {} elements and output of {} do not make {} columns", in.numel(),
+            out.numel(), cols);
+  const std::int64_t rows = in.numel() / cols;  // 0 rows: one empty chunk, out = 0
+  dispatch_all(in.dtype, [&]<class T>() {
+    if constexpr (std::is_integral_v<T>) {
+      launch_columns<SumInt<T>, T>(out, in, rows, cols, partials);
+    } else {
+      launch_columns<SumFloat<T>, T>(out, in, rows, cols, partials);
+    }
+  });
 }
 
 }  // namespace microbatch::kernels::cuda
