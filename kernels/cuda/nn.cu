@@ -2,26 +2,31 @@
 // Rows are contiguous. A row of at most kWarpCols columns is owned by one warp, a longer one by a
 // whole block; the row's threads stride over its columns and meet in warp or block reductions.
 // Softmax and cross-entropy find a row's max and its sum of exp(x - max) in one read (online
-// softmax: every exp is of a value minus a max at least as large, so none overflows). Math runs
-// in compute_t<T>: f32 for 16-bit storage, f64 for f64. Every output is overwritten, the backward
-// ones included; layer norm's dweight and dbias are this call's sums, which the engine adds into
-// the leaves.
+// softmax, kernels/online_softmax.h: every exp is of a value minus a max at least as large, so none
+// overflows), reading 16-byte packs (Note [Row packs]). Math runs in compute_t<T>: f32 for 16-bit
+// storage, f64 for f64; their exps in f32 take the hardware's (row_exp). Every output is
+// overwritten, the backward ones included; layer norm's dweight and dbias are this call's sums,
+// which the engine adds into the leaves.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/nn.h"
+#include "kernels/online_softmax.h"
 
 namespace microbatch::kernels::cuda {
 
 namespace {
 
 constexpr std::int64_t kWarpCols = 1024;
-// Note [Loads in flight]: a thread of a long-row kernel reads 2 to 8 bytes per column; one load at
-// a time leaves too few bytes in flight to cover the memory latency (the (8192, 50257) bf16
-// cross-entropy ran at a fifth of the copy bandwidth), so the hot row loops issue kUnroll loads
-// before using them.
+// Note [Loads in flight]: one load at a time per thread leaves too few bytes in flight to cover the
+// memory latency (the (8192, 50257) bf16 cross-entropy ran at a fifth of the copy bandwidth), so
+// the hot row loops issue several loads before using them: kUnroll scalars, or kPackUnroll 16-byte
+// packs (Note [Row packs]).
 constexpr int kUnroll = 8;
 constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr long long kMaxBlocks = 1 << 20;  // row loops stride past this many blocks
@@ -60,37 +65,9 @@ __device__ __forceinline__ A group_sum(A v, A* scratch) {
   }
 }
 
-// A row's max and its sum of exp(x - max), found in one pass (online softmax): each thread keeps
-// the pair for its columns, rescaling its sum when its max grows, and the pairs of a group are
-// merged. A pair whose max is -inf holds nothing (all -inf, or no column). A NaN column makes the
-// sum NaN, and so every result of the row, as on the CPU.
-template <class A>
-struct MaxSum {
-  A max;
-  A sum;
-};
-
-template <class A>
-__device__ __forceinline__ void add_column(MaxSum<A>& acc, A x) {
-  if (x > acc.max || x != x) {  // a NaN becomes the max, so that merges keep it
-    acc.sum = acc.sum * std::exp(acc.max - x) + A(1);  // exp(-inf) = 0 on the first column
-    acc.max = x;
-  } else if (x != -std::numeric_limits<A>::infinity()) {
-    acc.sum += std::exp(x - acc.max);
-  }
-}
-
-template <class A>
-__device__ __forceinline__ MaxSum<A> merge(MaxSum<A> a, MaxSum<A> b) {
-  constexpr A kNone = -std::numeric_limits<A>::infinity();
-  const A m = max_nan(a.max, b.max);
-  if (m == kNone) return {m, A(0)};
-  const A sa = a.max == kNone ? A(0) : a.sum * std::exp(a.max - m);
-  const A sb = b.max == kNone ? A(0) : b.sum * std::exp(b.max - m);
-  return {m, sa + sb};
-}
-
-// merge is symmetric, so every lane ends with the same pair.
+// The row's (max, sum of exp(x - max)) over its group (MaxSum, kernels/online_softmax.h): each
+// thread keeps the pair for its columns and the pairs are merged in a fixed tree, so a row gives
+// the same bits on every run. `scratch` holds 64 values (block groups only).
 template <class A>
 __device__ __forceinline__ MaxSum<A> warp_merge(MaxSum<A> v) {
   for (int o = 16; o > 0; o >>= 1) {
@@ -101,7 +78,6 @@ __device__ __forceinline__ MaxSum<A> warp_merge(MaxSum<A> v) {
   return v;
 }
 
-// The row's (max, sum) over its group; `scratch` holds 64 values (block groups only).
 template <RowGroup G, class A>
 __device__ __forceinline__ MaxSum<A> group_merge(MaxSum<A> v, A* scratch) {
   v = warp_merge(v);
@@ -114,10 +90,144 @@ __device__ __forceinline__ MaxSum<A> group_merge(MaxSum<A> v, A* scratch) {
     }
     __syncthreads();
     const bool live = lane < static_cast<int>(blockDim.x >> 5);
-    v = warp_merge(MaxSum<A>{live ? scratch[lane] : -std::numeric_limits<A>::infinity(),
-                             live ? scratch[32 + lane] : A(0)});
+    v = warp_merge(live ? MaxSum<A>{scratch[lane], scratch[32 + lane]} : MaxSum<A>{});
   }
   return v;
+}
+
+// Note [Row packs]: a row of 16-bit values starts wherever r * cols puts it (row r of 50257 bf16
+// columns is 2-byte aligned), so a row pass splits it by address (row_split): the group's first
+// lanes take the scalar head up to the first 16-byte boundary, then every thread reads 16-byte
+// packs (8 bf16 / f16, 4 f32, 2 f64), kPackUnroll of them in flight, then the first lanes take the
+// scalar tail. A pass that writes a second row aligns both with the one head, or, where they sit
+// at different offsets from a boundary, reads and writes every column as a scalar. A thread visits
+// its columns in ascending order, head, packs, tail.
+constexpr int kPackUnroll = 4;
+
+// 16 bytes of a row in four 32-bit words, moved as one 128-bit access (a struct of T members is
+// copied one member at a time); columns go in and out by their index k, a constant after
+// unrolling, so the words stay in registers. Little-endian: column k is at bytes
+// [k * sizeof(T), (k + 1) * sizeof(T)).
+template <class T>
+struct RowPack {
+  static constexpr int kSize = 16 / static_cast<int>(sizeof(T));
+  std::uint32_t w[4];
+
+  // The intrinsics keep the access one instruction (a plain uint4 store was split in four).
+  __device__ __forceinline__ static RowPack load(const T* p) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    return {{u.x, u.y, u.z, u.w}};
+  }
+  __device__ __forceinline__ void store(T* p) const {
+    __stwb(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+  }
+  __device__ __forceinline__ compute_t<T> get(int k) const {
+    T e;
+    if constexpr (sizeof(T) == 2) {
+      const auto bits = static_cast<std::uint16_t>(w[k / 2] >> (16 * (k % 2)));
+      memcpy(&e, &bits, 2);
+    } else if constexpr (sizeof(T) == 4) {
+      memcpy(&e, &w[k], 4);
+    } else {
+      const std::uint64_t bits = w[2 * k] | static_cast<std::uint64_t>(w[2 * k + 1]) << 32;
+      memcpy(&e, &bits, 8);
+    }
+    return static_cast<compute_t<T>>(e);
+  }
+  // Columns from the compute type, rounded to nearest even; 16-bit pairs in one conversion (a
+  // NaN comes out as the canonical NaN).
+  __device__ __forceinline__ static RowPack from(const compute_t<T> (&v)[kSize]) {
+    RowPack pack;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+        memcpy(&pack.w[i], &pair, 4);
+      } else if constexpr (std::is_same_v<T, f16>) {
+        const __half2 pair = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
+        memcpy(&pack.w[i], &pair, 4);
+      } else if constexpr (sizeof(T) == 4) {
+        memcpy(&pack.w[i], &v[i], 4);
+      } else if (i % 2 == 0) {
+        memcpy(&pack.w[i], &v[i / 2], 8);
+      }
+    }
+    return pack;
+  }
+};
+
+template <class T>
+__device__ __forceinline__ RowSplit split_of(const T* row, const T* other, std::int64_t cols) {
+  return row_split(reinterpret_cast<std::uintptr_t>(row), reinterpret_cast<std::uintptr_t>(other),
+                   cols, sizeof(T));
+}
+
+// Calls visit(j, v) for columns [begin, end) of this thread's share, one column at a time
+// (v an A[1]), kUnroll loads ahead (Note [Loads in flight]).
+template <class T, class Visit>
+__device__ __forceinline__ void visit_scalars(const T* row, std::int64_t begin, std::int64_t end,
+                                              const RowLoop& loop, Visit& visit) {
+  using A = compute_t<T>;
+  std::int64_t j = begin + loop.lane;
+  for (; j + (kUnroll - 1) * loop.size < end; j += kUnroll * loop.size) {
+    A v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load<T>(row, j + u * loop.size);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const A one[1] = {v[u]};
+      visit(j + u * loop.size, one);
+    }
+  }
+  for (; j < end; j += loop.size) {
+    const A one[1] = {load<T>(row, j)};
+    visit(j, one);
+  }
+}
+
+// Calls visit(j, v) over this thread's share of a row split by `split` (Note [Row packs]): v is
+// an A[1] for a head or tail column j, an A[RowPack<T>::kSize] for the pack starting at column j.
+template <class T, class Visit>
+__device__ __forceinline__ void visit_row(const T* row, std::int64_t cols, RowSplit split,
+                                          const RowLoop& loop, Visit&& visit) {
+  using A = compute_t<T>;
+  constexpr int P = RowPack<T>::kSize;
+  auto to_compute = [](const RowPack<T>& pack, A(&v)[P]) {
+#pragma unroll
+    for (int k = 0; k < P; ++k) v[k] = pack.get(k);
+  };
+  visit_scalars(row, 0, split.head, loop, visit);
+  const T* packs = row + split.head;  // pack p is columns [head + p * P, head + (p + 1) * P)
+  std::int64_t p = loop.lane;
+  for (; p + (kPackUnroll - 1) * loop.size < split.packs; p += kPackUnroll * loop.size) {
+    RowPack<T> raw[kPackUnroll];
+#pragma unroll
+    for (int u = 0; u < kPackUnroll; ++u)
+      raw[u] = RowPack<T>::load(packs + (p + u * loop.size) * P);
+#pragma unroll
+    for (int u = 0; u < kPackUnroll; ++u) {
+      A v[P];
+      to_compute(raw[u], v);
+      visit(split.head + (p + u * loop.size) * P, v);
+    }
+  }
+  for (; p < split.packs; p += loop.size) {
+    A v[P];
+    to_compute(RowPack<T>::load(packs + p * P), v);
+    visit(split.head + p * P, v);
+  }
+  visit_scalars(row, split.head + split.packs * P, cols, loop, visit);
+}
+
+// Stores N computed columns from column j: one scalar, or a pack (j at a 16-byte boundary).
+template <class T, int N>
+__device__ __forceinline__ void store_columns(T* row, std::int64_t j, const compute_t<T> (&v)[N]) {
+  if constexpr (N == 1) {
+    store<T>(row, j, v[0]);
+  } else {
+    static_assert(N == RowPack<T>::kSize, "a pack or one column");
+    RowPack<T>::from(v).store(row + j);
+  }
 }
 
 // (max, sum of exp(x - max)) of row x, one read of the row.
@@ -126,18 +236,9 @@ __device__ __forceinline__ MaxSum<compute_t<T>> row_max_sum(const T* x, std::int
                                                             const RowLoop& loop,
                                                             compute_t<T>* scratch) {
   using A = compute_t<T>;
-  MaxSum<A> acc{-std::numeric_limits<A>::infinity(), A(0)};
-  // kUnroll loads in flight before they are used (Note [Loads in flight]); the columns are still
-  // added in ascending order, so the result is the same as one column at a time.
-  std::int64_t j = loop.lane;
-  for (; j + (kUnroll - 1) * loop.size < cols; j += kUnroll * loop.size) {
-    A v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = load<T>(x, j + u * loop.size);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) add_column(acc, v[u]);
-  }
-  for (; j < cols; j += loop.size) add_column(acc, load<T>(x, j));
+  MaxSum<A> acc;
+  visit_row(x, cols, split_of(x, x, cols), loop,
+            [&]<int N>(std::int64_t, const A(&v)[N]) { acc.add(v); });
   return group_merge<G>(acc, scratch);
 }
 
@@ -154,14 +255,23 @@ __global__ void softmax_forward_kernel(SoftmaxKind kind, T* out, const T* in, st
     T* y = out + row * cols;
     const MaxSum<A> ms = row_max_sum<G>(x, cols, loop, scratch);
     const A m = ms.max, s = ms.sum;
+    const RowSplit split = split_of(x, static_cast<const T*>(y), cols);
     if (kind == SoftmaxKind::LogSoftmax) {
       const A log_s = std::log(s);
-      for (std::int64_t j = loop.lane; j < cols; j += loop.size)
-        store<T>(y, j, (load<T>(x, j) - m) - log_s);
+      visit_row(x, cols, split, loop, [&]<int N>(std::int64_t j, const A(&v)[N]) {
+        A out[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) out[k] = (v[k] - m) - log_s;
+        store_columns<T>(y, j, out);
+      });
     } else {
       const A inv = A(1) / s;
-      for (std::int64_t j = loop.lane; j < cols; j += loop.size)
-        store<T>(y, j, std::exp(load<T>(x, j) - m) * inv);
+      visit_row(x, cols, split, loop, [&]<int N>(std::int64_t j, const A(&v)[N]) {
+        A out[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) out[k] = row_exp(v[k] - m) * inv;
+        store_columns<T>(y, j, out);
+      });
     }
   }
 }
@@ -208,6 +318,7 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
   using A = compute_t<T>;
   __shared__ A scratch[64];
   const RowLoop loop = row_loop<G>();
+  const bool smooth = smoothing > 0.0;  // the same for the whole grid
   for (std::int64_t row = loop.first; row < rows; row += loop.step) {
     // The same target for the whole group, so the branch is uniform.
     const std::int64_t t = live_target(target, target_stride, row, cols, ignore_index);
@@ -216,20 +327,30 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
       continue;
     }
     const T* x = logits + row * cols;
-    const MaxSum<A> ms = row_max_sum<G>(x, cols, loop, scratch);
-    const A m = ms.max, s = ms.sum;
-    A below = 0;  // sum(x - max), for the smoothing term
-    if (smoothing > 0.0) {
-      for (std::int64_t j = loop.lane; j < cols; j += loop.size) below += load<T>(x, j) - m;
-      below = group_sum<G>(below, scratch);
-    }
+    const A xt = loop.lane == 0 ? load<T>(x, t) : A(0);  // issued before the row pass
+    // Smoothing's sum(x - max) is summed in the same pass as sum(x - x0), shifted by the row's
+    // first value so that values far from zero keep their precision (0 where x0 is not finite).
+    A x0 = smooth ? load<T>(x, 0) : A(0);
+    if (!isfinite(x0)) x0 = A(0);
+    MaxSum<A> acc;
+    A shifted = 0;
+    visit_row(x, cols, split_of(x, x, cols), loop, [&]<int N>(std::int64_t, const A(&v)[N]) {
+      acc.add(v);
+      if (smooth) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) shifted += v[k] - x0;
+      }
+    });
+    const MaxSum<A> ms = group_merge<G>(acc, scratch);
+    if (smooth) shifted = group_sum<G>(shifted, scratch);
     if (loop.lane == 0) {
-      const A log_sum = std::log(s);
-      double value = (static_cast<double>(m) - static_cast<double>(load<T>(x, t))) +
+      const A m = ms.max, log_sum = std::log(ms.sum);
+      double value = (static_cast<double>(m) - static_cast<double>(xt)) +
                      static_cast<double>(log_sum);  // -log p[t]
-      if (smoothing > 0.0) {
-        // mean_c(-log p) = log_sum - mean(x - max)
-        const double mean_below_max = static_cast<double>(below) / static_cast<double>(cols);
+      if (smooth) {
+        // mean_c(-log p) = log_sum - mean(x - max), mean(x - max) = mean(x - x0) + (x0 - max)
+        const double mean_below_max = static_cast<double>(shifted) / static_cast<double>(cols) +
+                                      (static_cast<double>(x0) - static_cast<double>(m));
         value =
             (1.0 - smoothing) * value + smoothing * (static_cast<double>(log_sum) - mean_below_max);
       }
@@ -240,7 +361,9 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
   }
 }
 
-// Element-wise given the row's stats: no reduction, so any group shape works.
+// Element-wise given the row's stats: no reduction, so any group shape works. Reads the logits
+// and writes dlogits in packs where the two rows share an offset from a 16-byte boundary (Note
+// [Row packs]).
 template <class T, class I, RowGroup G>
 __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits,
                                               const compute_t<T>* stats, const I* target,
@@ -259,20 +382,21 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits,
     }
     const T* x = logits + row * cols;
     const A max = stats[2 * row], log_sum = stats[2 * row + 1], gi = g[row * g_stride];
-    auto grad = [&](std::int64_t j, A xj) {
-      return gi * (std::exp((xj - max) - log_sum) - off - (j == t ? on : A(0)));
-    };
-    std::int64_t j = loop.lane;
-    for (; j + (kUnroll - 1) * loop.size < cols; j += kUnroll * loop.size) {
-      A v[kUnroll];
+    visit_row(x, cols, split_of(x, static_cast<const T*>(d), cols), loop,
+              [&]<int N>(std::int64_t j, const A(&v)[N]) {
+                A out[N];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = load<T>(x, j + u * loop.size);
+                for (int k = 0; k < N; ++k) out[k] = row_exp((v[k] - max) - log_sum) - off;
+                const std::int64_t label = t - j;  // the label's place in v, if it is there
+                if (label >= 0 && label < N) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        store<T>(d, j + u * loop.size, grad(j + u * loop.size, v[u]));
-      }
-    }
-    for (; j < cols; j += loop.size) store<T>(d, j, grad(j, load<T>(x, j)));
+                  for (int k = 0; k < N; ++k)
+                    if (k == label) out[k] -= on;
+                }
+#pragma unroll
+                for (int k = 0; k < N; ++k) out[k] *= gi;
+                store_columns<T>(d, j, out);
+              });
   }
 }
 

@@ -3,13 +3,17 @@
 // out-of-range targets, and reruns that must give the same bits. The CPU cases check the head
 // layout arithmetic the attention kernel shares with the host, and that the meta device predicts
 // the fused kernel's smaller footprint.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "core/autograd.h"
 #include "core/ops/dispatch.h"
 #include "kernels/attention.h"
 #include "kernels/nn.h"
+#include "kernels/online_softmax.h"
 #include "tests/core/harness.h"
 
 using namespace microbatch;
@@ -80,6 +84,54 @@ void check_same_bits(const V& a, const V& b, const std::string& what) {
     CHECK_MESSAGE(a[i].to_vector() == b[i].to_vector(), what << ": gradient " << i << " differs");
 }
 
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// A row's (max, sum of exp(x - max)) formed as a CUDA row pass forms it: `lanes` threads take the
+// first `head` columns one each, then packs of 8 in turn, then the tail columns one each; their
+// pairs meet in a butterfly, which must leave every lane with the same pair.
+kernels::MaxSum<float> online_max_sum(const std::vector<float>& x, std::int64_t head, int lanes) {
+  const auto n = static_cast<std::int64_t>(x.size());
+  head = std::min(head, n);
+  std::vector<kernels::MaxSum<float>> acc(lanes);
+  auto add_one = [&](std::int64_t j, int lane) {
+    const float one[1] = {x[j]};
+    acc[lane].add(one);
+  };
+  for (std::int64_t j = 0; j < head; ++j) add_one(j, static_cast<int>(j % lanes));
+  const std::int64_t packs = (n - head) / 8, tail = head + packs * 8;
+  for (std::int64_t p = 0; p < packs; ++p) {
+    float v[8];
+    for (int k = 0; k < 8; ++k) v[k] = x[head + p * 8 + k];
+    acc[p % lanes].add(v);
+  }
+  for (std::int64_t j = tail; j < n; ++j) add_one(j, static_cast<int>((j - tail) % lanes));
+  for (int o = lanes / 2; o > 0; o /= 2) {
+    std::vector<kernels::MaxSum<float>> next(lanes);
+    for (int l = 0; l < lanes; ++l) next[l] = kernels::merge(acc[l], acc[l ^ o]);
+    acc = next;
+  }
+  for (int l = 1; l < lanes; ++l) {
+    CHECK((acc[l].max == acc[0].max || (std::isnan(acc[l].max) && std::isnan(acc[0].max))));
+    CHECK((acc[l].sum == acc[0].sum || (std::isnan(acc[l].sum) && std::isnan(acc[0].sum))));
+  }
+  return acc[0];
+}
+
+// The CPU's two passes in f64: the max, then the sum of exp(x - max).
+std::pair<double, double> two_pass_max_sum(const std::vector<float>& x) {
+  double m = -INFINITY;
+  for (float v : x) m = std::isnan(v) ? NAN : (v > m ? v : m);  // a NaN stays: NaN > v fails
+  double s = 0.0;
+  for (float v : x) s += std::exp(static_cast<double>(v) - m);
+  return {m, s};
+}
+
+std::vector<float> uniform_row(std::int64_t n, double lo, double hi, std::uint64_t seed) {
+  std::vector<float> row;
+  for (double v : input({n}, lo, hi, seed).to_vector()) row.push_back(static_cast<float>(v));
+  return row;
+}
+
 }  // namespace
 
 // ---- host-side arithmetic ----------------------------------------------------------------------
@@ -111,6 +163,86 @@ TEST_CASE("layer norm backward chunks: at least 32 rows each, at most 128") {
   CHECK(kernels::layer_norm_chunks(33) == 2);
   CHECK(kernels::layer_norm_chunks(4096) == 128);
   CHECK(kernels::layer_norm_chunks(1000003) == 128);
+}
+
+TEST_CASE("online max and sum: packs, lanes and merges give the two passes' max and sum") {
+  struct Row {
+    std::string what;
+    std::vector<float> x;
+  };
+  std::vector<Row> rows{{"uniform 50257", uniform_row(50257, -5, 5, 1)},
+                        {"1e4 + noise", uniform_row(1000, 1e4, 1e4 + 1, 2)},
+                        {"one column", {0.25f}},
+                        {"fewer columns than lanes", uniform_row(5, -1, 1, 3)},
+                        {"all equal", std::vector<float>(1000, 2.5f)},
+                        {"all -inf", std::vector<float>(40, -kInf)}};
+  std::vector<float> holes = uniform_row(333, -3, 3, 4);
+  for (std::size_t j = 0; j < holes.size(); j += 7) holes[j] = -kInf;
+  rows.push_back({"every 7th -inf", holes});
+  for (const Row& row : rows) {
+    const auto [m, s] = two_pass_max_sum(row.x);
+    for (std::int64_t head : {0, 3, 7}) {
+      for (int lanes : {1, 32, 256}) {
+        INFO(row.what << ", head " << head << ", " << lanes << " lanes");
+        const kernels::MaxSum<float> got = online_max_sum(row.x, head, lanes);
+        CHECK(got.max == m);
+        if (m == -INFINITY) {
+          CHECK(got.sum == 0.0f);
+        } else {
+          CHECK(got.sum == doctest::Approx(s).epsilon(1e-4));  // f32 sums of up to 6283 terms
+        }
+      }
+    }
+  }
+  // All equal: every term is exactly 1, and so is every partial sum.
+  CHECK(online_max_sum(std::vector<float>(1000, -7.0f), 5, 32).sum == 1000.0f);
+  // A NaN makes the sum NaN, even beside -inf only; so does a +inf (exp(inf - inf)), as on the CPU.
+  std::vector<float> nan_row = uniform_row(100, -1, 1, 5);
+  nan_row[42] = std::nanf("");
+  std::vector<float> nan_beside_inf(50, -kInf);
+  nan_beside_inf[9] = std::nanf("");
+  std::vector<float> inf_row = uniform_row(100, -1, 1, 6);
+  inf_row[17] = kInf;
+  for (const std::vector<float>* x : {&nan_row, &nan_beside_inf, &inf_row}) {
+    CHECK(std::isnan(online_max_sum(*x, 3, 32).sum));
+    CHECK(std::isnan(two_pass_max_sum(*x).second));
+  }
+}
+
+TEST_CASE("row split: an aligned head, whole packs, a short tail; scalar where rows disagree") {
+  const std::uintptr_t base = 0x10000;
+  for (std::size_t size : {2, 4, 8}) {
+    const auto per_pack = static_cast<std::int64_t>(16 / size);
+    for (std::uintptr_t offset = 0; offset < 16; offset += size) {
+      for (std::int64_t cols : {0, 1, 7, 8, 9, 33, 1000, 50257}) {
+        INFO("element " << size << " bytes, offset " << offset << ", " << cols << " columns");
+        const kernels::RowSplit s = kernels::row_split(base + offset, base + offset, cols, size);
+        const std::int64_t tail = s.head + s.packs * per_pack;
+        CHECK(s.head >= 0);
+        CHECK(s.head < per_pack);
+        CHECK(tail <= cols);
+        CHECK(cols - tail < per_pack);
+        if (s.head < cols) CHECK((base + offset + s.head * size) % 16 == 0);
+        // A second row at the same offset from a boundary shares the split; one elsewhere does not.
+        const kernels::RowSplit same =
+            kernels::row_split(base + offset, 3 * base + 32 + offset, cols, size);
+        CHECK((same.head == s.head && same.packs == s.packs));
+        const kernels::RowSplit apart =
+            kernels::row_split(base + offset, base + offset + size, cols, size);
+        CHECK((apart.head == cols && apart.packs == 0));
+      }
+    }
+  }
+  // Rows of 50257 bf16: row r starts r mod 8 columns past a boundary.
+  for (std::uintptr_t r = 0; r < 16; ++r) {
+    const std::uintptr_t row = base + 2 * 50257 * r;
+    const kernels::RowSplit s = kernels::row_split(row, row, 50257, 2);
+    CHECK(s.head == static_cast<std::int64_t>((8 - r % 8) % 8));
+    CHECK(s.packs == (50257 - s.head) / 8);
+  }
+  // Not element-aligned: all scalar.
+  const kernels::RowSplit odd = kernels::row_split(base + 1, base + 1, 100, 2);
+  CHECK((odd.head == 100 && odd.packs == 0));
 }
 
 TEST_CASE("attention on meta: the fused CUDA path's peak is below the composed path's") {
@@ -175,6 +307,31 @@ MB_CUDA_TEST_CASE("cuda softmax: large and -inf logits stay finite where the CPU
                     {.check_grads = false});
 }
 
+MB_CUDA_TEST_CASE("cuda softmax and log_softmax: rows off 16-byte boundaries, an offset input") {
+  // Rows of 7, 33, 1000 and 50257 columns start at every offset from a boundary (Note [Row packs]).
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (std::int64_t cols : {7, 33, 1000, 50257}) {
+      const std::int64_t rows = cols > 1000 ? 9 : 33;
+      Tensor x = leaf({rows, cols}, dt, 60 + cols, -6, 6);
+      check_cuda_parity(
+          label("softmax packs", dt, cols), [](const V& in) { return softmax(in[0], -1); }, {x},
+          parity_tolerance(dt));
+      check_cuda_parity(
+          label("log_softmax packs", dt, cols), [](const V& in) { return log_softmax(in[0], -1); },
+          {x}, parity_tolerance(dt));
+    }
+  }
+  // Input rows one element past the output's: the output pass goes scalar.
+  constexpr std::int64_t rows = 5, cols = 50257;
+  Tensor flat = leaf({rows * cols + 1}, DType::bf16, 70, -6, 6);
+  check_cuda_parity(
+      "softmax of an offset view",
+      [](const V& in) {
+        return softmax(in[0].slice(0, 1, rows * cols + 1).reshape({rows, cols}), -1);
+      },
+      {flat}, parity_tolerance(DType::bf16));
+}
+
 // ---- cross-entropy -----------------------------------------------------------------------------
 
 MB_CUDA_TEST_CASE("cuda cross_entropy matches the CPU: ignored rows, smoothing, 16-bit, 50257") {
@@ -197,6 +354,69 @@ MB_CUDA_TEST_CASE("cuda cross_entropy matches the CPU: ignored rows, smoothing, 
           parity_tolerance(k.dt));
     }
   }
+}
+
+MB_CUDA_TEST_CASE("cuda cross_entropy: rows off 16-byte boundaries, ignored rows, smoothing") {
+  // Row r of C columns starts r * C elements in: odd C puts rows at every offset from a boundary,
+  // so heads, packs and tails all vary (Note [Row packs]) and the targets (7 r + 3) mod C fall in
+  // each; C = 1000 keeps every row aligned. Rows 1 and 4 are ignored.
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (std::int64_t c : {7, 33, 1000, 50257}) {
+      const std::int64_t n = c > 1000 ? 9 : 33;
+      Tensor logits = leaf({n, c}, dt, 80 + c, -8, 8);
+      Tensor target = class_targets(n, c, {1, 4});
+      for (double smoothing : {0.0, 0.1}) {
+        const CrossEntropyOptions options{.reduction = Reduction::None,
+                                          .label_smoothing = smoothing};
+        check_cuda_parity(
+            label("cross_entropy packs s=" + std::to_string(smoothing), dt, c),
+            [options](const V& in) { return cross_entropy(in[0], in[1], options); },
+            {logits, target}, parity_tolerance(dt));
+      }
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda cross_entropy: offset and -inf logits, 1e4 + noise, the same bits twice") {
+  // Logits one element past dlogits' alignment: the backward reads and writes scalars.
+  constexpr std::int64_t n = 5, c = 50257;
+  Tensor flat = leaf({n * c + 1}, DType::bf16, 90, -8, 8);
+  Tensor target = class_targets(n, c, {2});
+  auto offset_ce = [](const V& in) {
+    return cross_entropy(in[0].slice(0, 1, n * c + 1).reshape({n, c}), in[1],
+                         {.label_smoothing = 0.1});
+  };
+  check_cuda_parity("cross_entropy of an offset view", offset_ce, {flat, target},
+                    parity_tolerance(DType::bf16));
+
+  // Two -inf logits a row, away from the targets: finite losses, zero gradients there.
+  std::vector<double> values = input({6, 37}, -3, 3, 91).to_vector();
+  for (std::size_t r = 0; r < 6; ++r) values[r * 37 + 10 + 5 * r] = values[r * 37 + 36] = -INFINITY;
+  Tensor masked = from_vector(values, {6, 37});
+  masked.requires_grad_(true);
+  Tensor masked_target = from_vector({0, 1, 2, 3, 4, 5}, {6}, {.dtype = DType::i64});
+  check_cuda_parity("cross_entropy with -inf logits",
+                    [](const V& in) { return cross_entropy(in[0], in[1]); },
+                    {masked, masked_target});
+
+  // Values far from zero: smoothing's mean(x - max) keeps its precision.
+  Tensor far = (leaf({4, 3000}, DType::f32, 92).detach() + 1e4).detach();
+  far.requires_grad_(true);
+  check_cuda_parity(
+      "cross_entropy of 1e4 + noise",
+      [](const V& in) { return cross_entropy(in[0], in[1], {.label_smoothing = 0.2}); },
+      {far, class_targets(4, 3000, {})});
+
+  // Reruns give the same bits: losses and gradients.
+  Tensor logits = leaf({7, c}, DType::bf16, 93, -8, 8);
+  Tensor t7 = class_targets(7, c, {3});
+  auto ce = [](const V& in) {
+    return cross_entropy(in[0], in[1], {.reduction = Reduction::None, .label_smoothing = 0.1});
+  };
+  const V gpu{logits.detach().to(cuda_device(0)), t7.to(cuda_device(0))};
+  check_same_bits({ce(gpu).to(kCPU)}, {ce(gpu).to(kCPU)}, "cross_entropy loss rerun");
+  check_same_bits(cuda_grads(ce, {logits, t7}), cuda_grads(ce, {logits, t7}),
+                  "cross_entropy rerun");
 }
 
 MB_CUDA_TEST_CASE("cuda cross_entropy: every row ignored, i32 targets, (N, C, d) logits") {
