@@ -115,6 +115,10 @@ struct CrossEntropyOptions {
   std::int64_t ignore_index = -100;
   Reduction reduction = Reduction::Mean;
   double label_smoothing = 0.0;
+  /// The dtype of the returned loss: the logits' by default, as PyTorch. The kernels compute in f32
+  /// (f64 for f64) whatever the logits, so a 16-bit model asks for f32 here to get its loss
+  /// unrounded without an f32 copy of the logits (and of their gradient).
+  std::optional<DType> loss_dtype;
 };
 /// Cross-entropy of logits (N, C) against class indices (N); mean over non-ignored targets.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, CrossEntropyOptions options = {});

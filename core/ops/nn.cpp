@@ -92,7 +92,7 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
   MB_CHECK(target.dim() == 1 && target.shape()[0] == n,
            "[cross_entropy] target {} does not match logits {}: expected ({})",
            shape_str(target.shape()), shape_str(logits.shape()), n);
-  const DType dt = logits.dtype(), math = math_dtype(dt);
+  const DType loss_dt = options.loss_dtype.value_or(logits.dtype()), math = math_dtype(logits.dtype());
   const kernels::CrossEntropyArgs args{.ignore_index = options.ignore_index,
                                        .label_smoothing = options.label_smoothing};
   Tensor x;
@@ -122,10 +122,10 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
     NoGradGuard no_grad;
     switch (options.reduction) {
       case Reduction::None:
-        out = rows.to(dt);
+        out = rows.to(loss_dt);
         break;
       case Reduction::Sum:
-        out = sum(rows).to(dt);
+        out = sum(rows).to(loss_dt);
         break;
       case Reduction::Mean: {
         // As PyTorch: divide by the non-ignored count; 0 / 0 gives NaN when every target is
@@ -133,7 +133,7 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
         Tensor ignore = scalar_tensor(static_cast<double>(options.ignore_index),
                                       {.dtype = target.dtype(), .device = target.device()});
         count = sum(ne(target, ignore).to(math));
-        out = (sum(rows) / count).to(dt);
+        out = (sum(rows) / count).to(loss_dt);
         break;
       }
     }
@@ -196,6 +196,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, CrossEntropyOpt
            shape_str(logits.shape()));
   MB_CHECK(logits.shape()[1] > 0, "[cross_entropy] logits {} have no classes",
            shape_str(logits.shape()));
+  MB_CHECK(!options.loss_dtype || is_floating(*options.loss_dtype),
+           "[cross_entropy] loss_dtype must be a floating dtype, got {}",
+           dtype_name(options.loss_dtype.value_or(DType::f32)));
   if (logits.dim() == 2) return cross_entropy_2d(logits, target, options);
 
   Shape expected{logits.shape()[0]};

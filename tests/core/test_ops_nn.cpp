@@ -282,6 +282,30 @@ TEST_CASE("cross_entropy with every target ignored: mean is NaN (as torch), sum 
   CHECK(std::isnan(cross_entropy(x, t, {.label_smoothing = 0.1}).item()));
 }
 
+TEST_CASE("cross_entropy of 16-bit logits with an f32 loss equals the loss of their f32 copy") {
+  // The kernels compute in f32 either way: asking for an f32 loss gives the upcast path's loss and
+  // the same 16-bit gradient (the cast's backward rounds it once, as the kernel's store does),
+  // without the f32 copy of the logits.
+  for (DType dt : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dt));
+    for (double smoothing : {0.0, 0.1}) {
+      Tensor x = input({5, 37}, -4, 4, 7).detach().to(dt);
+      x.requires_grad_(true);
+      Tensor t = targets({3, -100, 36, 0, 11});
+      Tensor direct = cross_entropy(x, t, {.label_smoothing = smoothing, .loss_dtype = DType::f32});
+      CHECK(direct.dtype() == DType::f32);
+      const Tensor g_direct = grad({direct}, {Tensor()}, {x})[0];
+      Tensor upcast = cross_entropy(x.to(DType::f32), t, {.label_smoothing = smoothing});
+      const Tensor g_upcast = grad({upcast}, {Tensor()}, {x})[0];
+      CHECK(direct.item() == upcast.item());
+      CHECK(g_direct.dtype() == dt);
+      CHECK(g_direct.to_vector() == g_upcast.to_vector());
+      // The default keeps PyTorch's rule: the loss in the logits' dtype.
+      CHECK(cross_entropy(x, t).dtype() == dt);
+    }
+  }
+}
+
 TEST_CASE("cross_entropy errors") {
   Tensor x = zeros({3, 4});
   check_throws_with(
@@ -321,6 +345,8 @@ TEST_CASE("cross_entropy errors") {
         cross_entropy(zeros({3, 4}, {.dtype = DType::i64}), targets({0, 1, 1}));
       },
       "[cross_entropy] expected a floating-point");
+  check_throws_with([&] { cross_entropy(x, targets({0, 1, 1}), {.loss_dtype = DType::i32}); },
+                    "[cross_entropy] loss_dtype must be a floating dtype, got i32");
 }
 
 // ---- layer norm --------------------------------------------------------------------------------
