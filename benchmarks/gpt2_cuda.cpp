@@ -6,7 +6,7 @@
 // step, for each B in --batch; the batch is drawn once per B (seeded uniform tokens) and reused.
 //
 //   bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps 10] [--warmup 3]
-//                   [--device cuda|cpu] [--tiny]
+//                   [--device cuda|cpu] [--tiny] [--profile] [--profile-steps 3] [--profile-out PATH]
 //
 // It writes the initial weights to DIR/gpt2_init.safetensors (with the model's shape in the
 // metadata) and each batch to DIR/gpt2_tokens.safetensors ("tokens_b8": (8, 1025) i64, ...), so
@@ -21,9 +21,15 @@
 // on the stream divided by their number (gaps between steps included). Memory: the allocator's peak
 // allocated and reserved bytes since the model was built (memory_stats); cuBLAS's workspace is
 // taken by cudaMalloc outside the allocator and is not in them.
+//
+// --profile runs --profile-steps more steps per batch size after the timed ones, their figures
+// already taken, with the op profiler on (core/profiler.h), and prints the table: calls and self
+// time per op, forward and backward, on the host and on the stream. --profile-out also writes the
+// tables to PATH; --json gets them as "profile" in each run.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -31,6 +37,7 @@
 #include <vector>
 
 #include "benchmarks/bench_util.h"
+#include "core/profiler.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
 #include "nn/models.h"
@@ -76,6 +83,7 @@ struct Run {
   std::vector<double> grad_norms;
   double wall_ms = 0.0;  // the timed steps' span on the stream, per step
   std::int64_t peak_allocated = 0, peak_reserved = 0;
+  nlohmann::json profile;  // ProfileReport::to_json() of the profiled steps, with "steps"; null without
 };
 
 }  // namespace
@@ -89,14 +97,18 @@ int main(int argc, char** argv) {
   const int warmup = static_cast<int>(args.get_int("--warmup", 3));
   const std::string device_arg = args.get("--device", "cuda");
   const bool small = args.flag("--tiny");
-  if (steps < 1 || warmup < 0) {
-    std::fprintf(stderr, "bench_gpt2_cuda: --steps must be >= 1 and --warmup >= 0\n");
+  const std::string profile_out = args.get("--profile-out", "");
+  const bool profile = args.flag("--profile") || !profile_out.empty() || mb::profiler::requested_by_env();
+  const int profile_steps = static_cast<int>(args.get_int("--profile-steps", 3));
+  if (steps < 1 || warmup < 0 || profile_steps < 1) {
+    std::fprintf(stderr, "bench_gpt2_cuda: --steps and --profile-steps must be >= 1 and --warmup >= 0\n");
     return 2;
   }
   if (!args.unknown().empty()) {
     std::fprintf(stderr, "bench_gpt2_cuda: unknown argument '%s'\n"
                          "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] "
-                         "[--warmup N] [--device cuda|cpu] [--tiny]\n", args.unknown().c_str());
+                         "[--warmup N] [--device cuda|cpu] [--tiny] [--profile] [--profile-steps N] [--profile-out PATH]\n",
+                 args.unknown().c_str());
     return 2;
   }
   try {
@@ -137,6 +149,7 @@ int main(int argc, char** argv) {
     const double max_grad_norm = 1.0;
 
     std::vector<Run> runs;
+    std::string profile_tables;
     for (std::int64_t B : batches) {
       // Every batch size starts from the same weights, fresh moments and an empty cache.
       store.load_master_state(initial);
@@ -182,6 +195,29 @@ int main(int argc, char** argv) {
       const mb::MemoryStats stats = mb::memory_stats(dev);
       run.peak_allocated = stats.allocated.peak;
       run.peak_reserved = stats.reserved.peak;
+
+      if (profile) {
+        // The same steps as above, after the timed ones, with the profiler on; the profiler's
+        // events and its final wait touch none of the figures above.
+        mb::bench::device_sync(dev);
+        mb::profiler::start();
+        for (int i = 0; i < profile_steps; ++i) {
+          store.zero_grad();
+          Tensor loss = model(inputs, labels).loss;
+          loss.backward();
+          (void)boundary.step(warmup + steps + i + 1, mb::optim::Settle::Later);
+        }
+        mb::profiler::stop();  // waits for the device
+        const mb::profiler::ProfileReport report = mb::profiler::report();
+        (void)boundary.settle();
+        const std::string table =
+            fmt::format("\nB={}: time per op over {} profiled steps ({:.1f} ms of wall clock per step)\n{}",
+                        B, profile_steps, report.span_ms / profile_steps, report.table());
+        std::printf("%s", table.c_str());
+        profile_tables += table;
+        run.profile = report.to_json();
+        run.profile["steps"] = profile_steps;
+      }
       runs.push_back(run);
     }
 
@@ -206,6 +242,12 @@ int main(int argc, char** argv) {
                          {"peak_reserved_bytes", r.peak_reserved},
                          {"losses", r.losses},
                          {"grad_norms", r.grad_norms}});
+      if (!r.profile.is_null()) results.back()["profile"] = r.profile;
+    }
+    if (!profile_out.empty()) {
+      std::ofstream out(profile_out);
+      out << profile_tables;
+      MB_CHECK(out.good(), "[bench_gpt2_cuda] could not write {}", profile_out);
     }
     mb::bench::write_json(json_path, {{"benchmark", "gpt2"},
                                       {"implementation", "microbatch"},

@@ -2,13 +2,14 @@
 // TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads them
 // from a file first, and flags given on the command line win. Training goes to cuda:0 when a CUDA
 // device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a GPU
-// on any machine.
+// on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
 #include <CLI/CLI.hpp>
 
 #include <iostream>
 #include <map>
 #include <memory>
 
+#include "core/profiler.h"
 #include "nn/models.h"
 #include "train/accumulation_check.h"
 #include "train/fashion_mnist.h"
@@ -50,6 +51,7 @@ struct Options {
   std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
   std::map<std::string, CLI::Option*> switch_options;
   bool json = false;
+  bool profile = false;  // train only
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
   double dropout = 0.0;
@@ -186,7 +188,15 @@ int run_train(Options& o) {
                 << mb::format_bytes(args.memory_budget);
     std::cout << "\n";
   }
+  // Started after the model and the plan are made, so the table holds the training alone.
+  const bool profile = o.profile || mb::profiler::requested_by_env();
+  if (profile) mb::profiler::start();
   mb::train::TrainOutput r = trainer.train();
+  mb::profiler::ProfileReport profile_report;
+  if (profile) {
+    mb::profiler::stop();
+    profile_report = mb::profiler::report();
+  }
   if (!args.json) {
     std::cout << fmt::format("done: {} steps, training loss {:.4f}", r.global_step, r.training_loss);
     if (r.metrics.count("eval_accuracy")) std::cout << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
@@ -194,6 +204,11 @@ int run_train(Options& o) {
     if (r.metrics.count("eval_loss") && !r.metrics.count("eval_accuracy"))
       std::cout << fmt::format(", validation loss {:.4f}", r.metrics["eval_loss"]);
     std::cout << "; weights in " << args.output_dir << "/model.safetensors\n";
+  }
+  if (profile && args.json) {
+    std::cout << nlohmann::json{{"profile", profile_report.to_json()}}.dump() << "\n";
+  } else if (profile) {
+    std::cout << "\ntime per op during training (README: Profiling):\n" << profile_report.table();
   }
   return 0;
 }
@@ -252,6 +267,9 @@ int main(int argc, char** argv) {
   CLI::App* train_cmd =
       app.add_subcommand("train", "train a model (mlp, cnn on Fashion-MNIST; gpt, gpt2 on text or synthetic tokens)");
   add_model_flags(*train_cmd, train);
+  train_cmd->add_flag("--profile", train.profile,
+                      "after training, print each op's calls and self time, forward and backward (also "
+                      "MB_PROFILE=1)");
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
   std::string dtypes = "both";

@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "core/ops.h"
+#include "core/profiler.h"
 
 namespace microbatch {
 
@@ -161,9 +163,26 @@ struct NodeOrder {
 void add_into(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g;
-  } else {
-    slot = add(slot, g);
+    return;
   }
+  std::optional<profiler::Scope> scope;
+  if (profiler::enabled()) scope.emplace("grad_sum", g.device(), profiler::Nesting::always);
+  slot = add(slot, g);
+}
+
+// Times a node's run as "<op> backward" (Note [Profiler scopes]), on the device of its first
+// incoming gradient; AccumulateGrad keeps its own name.
+void open_scope(std::optional<profiler::Scope>& scope, const Node& node,
+                const std::vector<Tensor>& grads) {
+  Device device = kCPU;
+  for (const Tensor& g : grads) {
+    if (g.defined()) {
+      device = g.device();
+      break;
+    }
+  }
+  const bool sink = dynamic_cast<const AccumulateGrad*>(&node) != nullptr;
+  scope.emplace(node.name(), device, profiler::Nesting::always, sink ? "" : " backward");
 }
 
 // Runs the graph below roots. When `capture` is given, the gradients reaching those leaves' sinks
@@ -260,8 +279,13 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
         }
       }
     }
-    std::vector<Tensor> input_grads = node->apply(std::move(grads));
-    if (!options.retain_graph) node->release();
+    std::vector<Tensor> input_grads;
+    {
+      std::optional<profiler::Scope> scope;
+      if (profiler::enabled()) open_scope(scope, *node, grads);
+      input_grads = node->apply(std::move(grads));
+      if (!options.retain_graph) node->release();
+    }
 
     const auto& edges = node->next_edges();
     for (std::size_t i = 0; i < edges.size(); ++i) {

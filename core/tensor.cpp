@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <ostream>
 #include <sstream>
 
@@ -307,6 +308,11 @@ Tensor& Tensor::copy_(const Tensor& src) {
   }
   if (numel() > 0) {
     NoGradGuard no_grad;  // the expand and any staging are not part of a graph
+    // Its kernels and copies run here rather than through launch(): timed here, on the stream
+    // of the CUDA side if any (Note [Profiler scopes] in core/profiler.h).
+    std::optional<profiler::Scope> scope;
+    if (profiler::enabled())
+      scope.emplace("copy_", dst_dev.is_cuda() ? dst_dev : src_dev, profiler::Nesting::outermost_only);
     const Tensor s = src.expand(shape());
     if (dst_dev.is_cpu() && src_dev.is_cpu()) {
       kernels::cpu::copy(kview(), s.kview());

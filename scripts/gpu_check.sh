@@ -17,6 +17,8 @@
 #   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
 #   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json
 #   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
+#   profile_gpt2   benchmarks/gpt2_cuda.cpp --profile: time per op of GPT-2 small steps (B = 8)
+#                                                       -> OUTDIR/gpt2_profile.txt (the table), .json
 #   bench_attention benchmarks/attention_cuda.cpp       -> OUTDIR/attention.json
 #   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
@@ -58,7 +60,7 @@ CUDA="${MB_CUDA:-ON}"
 PYTHON="${PYTHON:-python3}"
 SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
 BOX_SCALE="${MB_GPU_CHECK_BOX_SCALE:-1}"
-STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 bench_attention torch_attention planner compare}"
+STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 profile_gpt2 bench_attention torch_attention planner compare}"
 RESERVE=10  # seconds kept for writing the results at the end
 START=$(date +%s)
 DEADLINE=$((START + SECONDS_TOTAL))
@@ -67,7 +69,8 @@ TABLE="$OUT/stages.tsv"  # name, status, seconds, message: one line per stage ru
 mkdir -p "$OUT/stages"
 : >"$LOG"
 : >"$TABLE"
-rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,attention,torch_attention,planner,compare}.json
+rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,gpt2_profile,attention,torch_attention,planner,compare}.json
+rm -f "$OUT/gpt2_profile.txt"
 
 say() { echo "[gpu_check] $*" | tee -a "$LOG"; }
 tsv_field() { printf '%s' "$1" | tr '\t\n' '  '; }
@@ -144,6 +147,15 @@ def figures(name):
         return {f"batch_{r['batch']}": {key: r.get(key) for key in ("step_ms_median", "tokens_per_s",
                                                                    "peak_allocated_bytes", "peak_reserved_bytes")}
                 for r in j.get("runs", [])}
+    if name == "profile_gpt2":
+        runs = (load("gpt2_profile.json") or {}).get("runs", [])
+        p = runs[0].get("profile") if runs else None
+        if not p:
+            return {}
+        top = [{key: r.get(key) for key in ("name", "calls", "host_ms", "device_ms")} for r in p.get("rows", [])[:15]]
+        fig = {key: p.get(key) for key in ("steps", "span_ms", "host_total_ms", "device_total_ms")}
+        fig["top"] = top
+        return fig
     if name in ("bench_attention", "torch_attention"):
         j = load("attention.json" if name == "bench_attention" else "torch_attention.json")
         return {key: j.get(key) for key in ("forward_ms", "forward_backward_ms", "forward_tflops",
@@ -301,7 +313,7 @@ for suite in tests_core tests_train; do
 done
 
 # ---- GPU stages ---------------------------------------------------------------------------------
-GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 bench_attention torch_attention planner compare"
+GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 profile_gpt2 bench_attention torch_attention planner compare"
 if [[ -z "$GPU" || "$CUDA" != ON ]]; then
   reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
   for s in $GPU_STAGES; do skip_stage "$s" "$reason"; done
@@ -344,6 +356,12 @@ else
       run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$OUT/gpt2_init.safetensors" \
         --tokens "$OUT/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
     fi
+  fi
+  if wanted profile_gpt2; then
+    # A few steps after two timed ones, the profiler on; its own folder for the 500 MB of weights.
+    run_stage profile_gpt2 60 30 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$OUT/profile_run" --batch 8 --warmup 2 \
+      --steps 2 --profile --profile-steps 3 --profile-out "$OUT/gpt2_profile.txt" --json "$OUT/gpt2_profile.json"
+    rm -rf "$OUT/profile_run"
   fi
   wanted bench_attention && run_stage bench_attention 30 10 "$BUILD_DIR/bench_attention_cuda" --json "$OUT/attention.json"
   if wanted torch_attention; then

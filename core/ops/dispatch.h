@@ -3,6 +3,7 @@
 
 #include <utility>
 
+#include "core/profiler.h"
 #include "core/tensor.h"
 #include "kernels/device.h"
 
@@ -42,11 +43,9 @@ inline Backend backend_of(Device device) {
   return Backend::cpu;
 }
 
-/// Runs cpu_fn for CPU tensors, cuda_fn (on the tensor's device) for CUDA tensors, and nothing on
-/// meta (shapes and allocations only). A CPU-only build links kernels/cuda/no_cuda.cpp, whose
-/// stubs throw, but a CUDA tensor cannot exist there in the first place.
+namespace detail {
 template <class CpuFn, class CudaFn>
-void launch(const char* op, Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
+void run_kernel(Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
   switch (device.type) {
     case DeviceType::meta: return;
     case DeviceType::cpu: std::forward<CpuFn>(cpu_fn)(); return;
@@ -55,6 +54,21 @@ void launch(const char* op, Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
       std::forward<CudaFn>(cuda_fn)();
       return;
   }
+}
+}  // namespace detail
+
+/// Runs cpu_fn for CPU tensors, cuda_fn (on the tensor's device) for CUDA tensors, and nothing on
+/// meta (shapes and allocations only). A CPU-only build links kernels/cuda/no_cuda.cpp, whose
+/// stubs throw, but a CUDA tensor cannot exist there in the first place. While the profiler runs,
+/// the kernel is timed under `op` (Note [Profiler scopes] in core/profiler.h).
+template <class CpuFn, class CudaFn>
+void launch(const char* op, Device device, CpuFn&& cpu_fn, CudaFn&& cuda_fn) {
+  if (profiler::enabled()) [[unlikely]] {
+    profiler::Scope scope(op, device, profiler::Nesting::outermost_only);
+    detail::run_kernel(device, std::forward<CpuFn>(cpu_fn), std::forward<CudaFn>(cuda_fn));
+    return;
+  }
+  detail::run_kernel(device, std::forward<CpuFn>(cpu_fn), std::forward<CudaFn>(cuda_fn));
 }
 
 /// The broadcast of two shapes (numpy rules); `op` names the caller in the error.
