@@ -1,15 +1,24 @@
-// Causal attention at GPT-2 small's shape, (B, 12, 1024, 64) bf16: the fused kernel's forward and
-// forward + backward, medians of CUDA-event-timed repetitions, with the FLOPs counted as the two
-// T x T x D products (halved for the causal mask; the backward as 2.5 forwards, FlashAttention's
-// accounting). `benchmarks/torch_attention.py` times PyTorch's SDPA the same way.
+// Causal attention at GPT-2 small's shape, (B, 12, 1024, 64) bf16: forward and forward + backward
+// of both CUDA kernels — tensor cores (the default for 16-bit) and f32 math (MB_ATTENTION_KERNEL=
+// simt) — medians of CUDA-event-timed repetitions, with the FLOPs counted as the two T x T x D
+// products (halved for the causal mask; the backward as 2.5 forwards, FlashAttention's
+// accounting). Before timing, the two kernels' outputs and gradients are compared (the largest
+// difference relative to the largest value, printed and recorded). `benchmarks/torch_attention.py`
+// times PyTorch's SDPA the same way.
 //
 //   bench_attention_cuda [--batch 8] [--json attention.json]
+//
+// The JSON's top-level figures are the tensor-core kernel's; "simt" holds the other's.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <exception>
+#include <vector>
 
 #include "benchmarks/bench_util.h"
 #include "core/autograd.h"
 #include "core/ops.h"
+#include "kernels/attention.h"
 
 using namespace microbatch;
 
@@ -28,27 +37,71 @@ int main(int argc, char** argv) {
     Tensor v = randn({b, h, t, d}, opts).requires_grad_(true);
     Tensor dout = randn({b, h, t, d}, opts);
     const AttentionOptions causal{.causal = true};
-    const bench::Timing fwd = bench::time_reps(gpu, 3, 20, [&] {
-      NoGradGuard no_grad;
-      (void)scaled_dot_product_attention(q, k, v, causal);
-    });
-    const bench::Timing fwd_bwd = bench::time_reps(gpu, 3, 20, [&] {
+    using kernels::cuda::AttentionKernel;
+
+    // out, dq, dk, dv with one kernel, in f32 on the host.
+    auto run = [&](AttentionKernel kernel) {
+      kernels::cuda::set_attention_kernel(kernel);
       Tensor out = scaled_dot_product_attention(q, k, v, causal);
-      out.backward(dout);
-    });
+      std::vector<Tensor> g = grad({out}, {dout}, {q, k, v});
+      std::vector<std::vector<double>> values{out.detach().to(kCPU).to(DType::f32).to_vector()};
+      for (const Tensor& x : g) values.push_back(x.to(kCPU).to(DType::f32).to_vector());
+      return values;
+    };
+    const auto tensor_values = run(AttentionKernel::tensor);
+    const auto simt_values = run(AttentionKernel::simt);
+    const char* names[] = {"out", "dq", "dk", "dv"};
+    nlohmann::json agreement;
+    for (std::size_t i = 0; i < tensor_values.size(); ++i) {
+      double scale = 0.0, worst = 0.0;
+      for (std::size_t j = 0; j < simt_values[i].size(); ++j) {
+        scale = std::max(scale, std::abs(simt_values[i][j]));
+        worst = std::max(worst, std::abs(tensor_values[i][j] - simt_values[i][j]));
+      }
+      const double relative = scale > 0.0 ? worst / scale : worst;
+      std::printf("tensor vs simt %s: largest difference %.3g of the largest value\n", names[i], relative);
+      agreement[names[i]] = relative;
+    }
+
+    struct Figures {
+      double forward_ms, forward_backward_ms, forward_tflops, forward_backward_tflops;
+    };
     const double flops_fwd = 4.0 * b * h * t * t * d / 2.0;
-    const double tflops_fwd = flops_fwd / (fwd.median_ms * 1e-3) / 1e12;
-    const double tflops_all = 3.5 * flops_fwd / (fwd_bwd.median_ms * 1e-3) / 1e12;
-    std::printf("attention (%lld, 12, 1024, 64) bf16 causal: forward %.3f ms (%.1f TFLOP/s), "
-                "forward + backward %.3f ms (%.1f TFLOP/s)\n",
-                static_cast<long long>(b), fwd.median_ms, tflops_fwd, fwd_bwd.median_ms, tflops_all);
+    auto time_kernel = [&](AttentionKernel kernel, const char* name) {
+      kernels::cuda::set_attention_kernel(kernel);
+      const bench::Timing fwd = bench::time_reps(gpu, 3, 20, [&] {
+        NoGradGuard no_grad;
+        (void)scaled_dot_product_attention(q, k, v, causal);
+      });
+      const bench::Timing fwd_bwd = bench::time_reps(gpu, 3, 20, [&] {
+        Tensor out = scaled_dot_product_attention(q, k, v, causal);
+        out.backward(dout);
+      });
+      const Figures f{fwd.median_ms, fwd_bwd.median_ms, flops_fwd / (fwd.median_ms * 1e-3) / 1e12,
+                      3.5 * flops_fwd / (fwd_bwd.median_ms * 1e-3) / 1e12};
+      std::printf("attention (%lld, 12, 1024, 64) bf16 causal, %s: forward %.3f ms (%.1f TFLOP/s), "
+                  "forward + backward %.3f ms (%.1f TFLOP/s)\n",
+                  static_cast<long long>(b), name, f.forward_ms, f.forward_tflops,
+                  f.forward_backward_ms, f.forward_backward_tflops);
+      return f;
+    };
+    const Figures tc = time_kernel(AttentionKernel::tensor, "tensor cores");
+    const Figures simt = time_kernel(AttentionKernel::simt, "f32 math");
+    kernels::cuda::set_attention_kernel(AttentionKernel::tensor);
     if (!json_path.empty()) {
       bench::write_json(json_path, {{"device", bench::device_name(gpu)},
                                     {"shape", {b, h, t, d}},
-                                    {"forward_ms", fwd.median_ms},
-                                    {"forward_backward_ms", fwd_bwd.median_ms},
-                                    {"forward_tflops", tflops_fwd},
-                                    {"forward_backward_tflops", tflops_all}});
+                                    {"kernel", "tensor"},
+                                    {"forward_ms", tc.forward_ms},
+                                    {"forward_backward_ms", tc.forward_backward_ms},
+                                    {"forward_tflops", tc.forward_tflops},
+                                    {"forward_backward_tflops", tc.forward_backward_tflops},
+                                    {"tensor_vs_simt", agreement},
+                                    {"simt",
+                                     {{"forward_ms", simt.forward_ms},
+                                      {"forward_backward_ms", simt.forward_backward_ms},
+                                      {"forward_tflops", simt.forward_tflops},
+                                      {"forward_backward_tflops", simt.forward_backward_tflops}}}});
     }
     return 0;
   } catch (const std::exception& e) {

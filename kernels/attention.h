@@ -40,9 +40,17 @@ MB_HOST_DEVICE inline std::int64_t head_offset(const HeadStrides& s, std::int64_
 
 namespace cuda {
 
+/// Which kernels f16 and bf16 attention runs: on tensor cores (the default) or the f32-math kernels
+/// that f32 always runs. The first call reads MB_ATTENTION_KERNEL ("tensor" or "simt").
+enum class AttentionKernel { tensor, simt };
+AttentionKernel attention_kernel();
+void set_attention_kernel(AttentionKernel kernel);
+
 /// out = softmax(q k^T * scale, causal mask) v and lse[bh, i] = log(sum_j exp(scale * q_i . k_j))
 /// over the keys query i sees. q (B, H, T, D) or (B, T, D); k, v (.., S, D); each with unit stride
-/// along D, any other strides; f32, f16 or bf16 (one dtype), f32 math; 0 < D <= 128, T, S > 0.
+/// along D, any other strides; f32, f16 or bf16 (one dtype); 0 < D <= 128, T, S > 0. f32 runs in
+/// f32 on CUDA cores; f16 and bf16 multiply on tensor cores with f32 accumulation, P rounded to
+/// the input dtype before P v (kernels/attention_tc.h; MB_ATTENTION_KERNEL=simt for f32 math).
 /// out (.., T, D) contiguous in q's dtype; lse (.., T) contiguous f32.
 void attention_forward(const StridedView& q, const StridedView& k, const StridedView& v,
                        const StridedView& out, const StridedView& lse, AttentionArgs args);

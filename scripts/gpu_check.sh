@@ -19,7 +19,7 @@
 #   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
 #   profile_gpt2   benchmarks/gpt2_cuda.cpp --profile: time per op of GPT-2 small steps (B = 8)
 #                                                       -> OUTDIR/gpt2_profile.txt (the table), .json
-#   bench_attention benchmarks/attention_cuda.cpp       -> OUTDIR/attention.json
+#   bench_attention benchmarks/attention_cuda.cpp: both kernels, and how far apart -> OUTDIR/attention.json
 #   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
@@ -158,8 +158,8 @@ def figures(name):
         return fig
     if name in ("bench_attention", "torch_attention"):
         j = load("attention.json" if name == "bench_attention" else "torch_attention.json")
-        return {key: j.get(key) for key in ("forward_ms", "forward_backward_ms", "forward_tflops",
-                                            "forward_backward_tflops")} if j else {}
+        return {key: j.get(key) for key in ("kernel", "forward_ms", "forward_backward_ms", "forward_tflops",
+                                            "forward_backward_tflops", "tensor_vs_simt", "simt")} if j else {}
     if name == "planner":
         j = load("planner.json")
         return {r["budget"]: {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",

@@ -16,12 +16,20 @@
 // floats, so that the 32 lanes hit 32 different banks. Heads are padded with zeros to kMaxD (32,
 // 64 or 128); 128-wide heads give each warp 2 rows instead of 4 so that every kernel's static
 // shared memory stays under 48 KiB.
+//
+// f16 and bf16 take the tensor-core kernels of kernels/attention_tc.h instead (Note [Tensor-core
+// attention]); MB_ATTENTION_KERNEL=simt sends them here too. f32 always runs here: its GEMMs do
+// not use TF32 either.
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/attention.h"
+#include "kernels/attention_tc.h"
 #include "kernels/cuda/common.cuh"
 
 namespace microbatch::kernels::cuda {
@@ -357,6 +365,56 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
+// ---- tensor-core kernels (f16, bf16) -----------------------------------------------------------
+
+// The execution context of kernels/attention_tc.h on the device.
+struct DeviceContext {
+  __device__ int thread() const { return static_cast<int>(threadIdx.x); }
+  __device__ void sync() const { __syncthreads(); }
+  __device__ float shfl_xor(float v, int mask) const { return __shfl_xor_sync(kFullMask, v, mask); }
+  template <class T>
+  __device__ void mma(tc::TcAcc& c, const tc::TcA& a, const tc::TcB& b) const {
+    if constexpr (std::is_same_v<T, bf16>) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+    } else {
+      static_assert(std::is_same_v<T, f16>);
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+          "{%8,%9}, {%0,%1,%2,%3};"
+          : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+    }
+  }
+};
+
+template <class T, int kD>
+__global__ void __launch_bounds__(tc::kTcThreads)
+    tc_forward_kernel(tc::TcOperands<T> p, T* out, float* lse) {
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  DeviceContext ctx;
+  tc::tc_forward_block<T, kD>(ctx, p, out, lse, blockIdx.x, smem);
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(tc::kTcThreads)
+    tc_dkdv_kernel(tc::TcOperands<T> p, const float* lse, const float* delta, T* dk, T* dv) {
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  DeviceContext ctx;
+  tc::tc_dkdv_block<T, kD>(ctx, p, lse, delta, dk, dv, blockIdx.x, smem);
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(tc::kTcThreads)
+    tc_dq_kernel(tc::TcOperands<T> p, const float* lse, const float* delta, T* dq) {
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  DeviceContext ctx;
+  tc::tc_dq_block<T, kD>(ctx, p, lse, delta, dq, blockIdx.x, smem);
+}
+
 // ---- launch helpers ----------------------------------------------------------------------------
 
 // Checks what the kernels assume of q, k and v (kernels/attention.h); returns the number of heads.
@@ -406,6 +464,56 @@ Operands<T> operands(const StridedView& q, const StridedView& k, const StridedVi
           .causal = args.causal};
 }
 
+// The kernel choice for f16 and bf16 (kernels/attention.h), read from the environment once.
+AttentionKernel& kernel_choice() {
+  static AttentionKernel choice = [] {
+    const char* env = std::getenv("MB_ATTENTION_KERNEL");
+    if (env == nullptr || *env == '\0' || std::strcmp(env, "tensor") == 0) {
+      return AttentionKernel::tensor;
+    }
+    MB_CHECK(std::strcmp(env, "simt") == 0,
+             "[attention] MB_ATTENTION_KERNEL must be 'tensor' or 'simt', got '{}'", env);
+    return AttentionKernel::simt;
+  }();
+  return choice;
+}
+
+bool use_tensor_cores() { return kernel_choice() == AttentionKernel::tensor; }
+
+// Whether view x can be copied to shared memory 16 bytes at a time by tc::load_tile: rows of
+// exactly kD elements that start on 16-byte boundaries in every head.
+bool vector_rows(const StridedView& x, std::int64_t d, int kd) {
+  const HeadStrides hs = head_strides(x);
+  return d == kd && reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && hs.row % 8 == 0 &&
+         hs.batch % 8 == 0 && hs.head % 8 == 0;
+}
+
+template <class T>
+tc::TcOperands<T> tc_operands(const StridedView& q, const StridedView& k, const StridedView& v,
+                              const StridedView* dout, AttentionArgs args, int kd,
+                              std::int64_t rows) {
+  const int n = q.ndim;
+  const std::int64_t d = q.shape[n - 1];
+  return {.q = q.ptr<T>(),
+          .k = k.ptr<T>(),
+          .v = v.ptr<T>(),
+          .dout = dout != nullptr ? dout->ptr<T>() : nullptr,
+          .qs = head_strides(q),
+          .ks = head_strides(k),
+          .vs = head_strides(v),
+          .dos = dout != nullptr ? head_strides(*dout) : HeadStrides{},
+          .t = q.shape[n - 2],
+          .s = k.shape[n - 2],
+          .d = d,
+          .scale = static_cast<float>(args.scale),
+          .causal = args.causal,
+          .vec_q = vector_rows(q, d, kd),
+          .vec_k = vector_rows(k, d, kd),
+          .vec_v = vector_rows(v, d, kd),
+          .vec_dout = dout != nullptr && vector_rows(*dout, d, kd),
+          .tiles = ceil_div(rows, tc::kBlockRows)};
+}
+
 template <class F>
 void dispatch_attention(DType dt, const char* op, F&& f) {
   switch (dt) {
@@ -448,6 +556,10 @@ void check_contiguous(const char* op, const StridedView& x, const StridedView& l
 
 }  // namespace
 
+AttentionKernel attention_kernel() { return kernel_choice(); }
+
+void set_attention_kernel(AttentionKernel kernel) { kernel_choice() = kernel; }
+
 void attention_forward(const StridedView& q, const StridedView& k, const StridedView& v,
                        const StridedView& out, const StridedView& lse, AttentionArgs args) {
   constexpr const char* op = "attention_forward";
@@ -459,6 +571,16 @@ void attention_forward(const StridedView& q, const StridedView& k, const Strided
   dispatch_attention(q.dtype, op, [&]<class T>() {
     const Operands<T> p = operands<T>(q, k, v, args);
     with_head_dim(p.d, [&]<int kMaxD>() {
+      if constexpr (!std::is_same_v<T, float>) {
+        if (use_tensor_cores()) {
+          const tc::TcOperands<T> tp = tc_operands<T>(q, k, v, nullptr, args, kMaxD, p.t);
+          tc_forward_kernel<T, kMaxD>
+              <<<tile_blocks(op, heads, tp.tiles), tc::kTcThreads, 0, current_stream()>>>(
+                  tp, out.ptr<T>(), lse.ptr<float>());
+          MB_CUDA_CHECK_LAUNCH("tc_forward_kernel");
+          return;
+        }
+      }
       const std::int64_t tiles = ceil_div(p.t, Geometry<kMaxD>::kRows);
       attention_forward_kernel<T, kMaxD>
           <<<tile_blocks(op, heads, tiles), kBlockThreads, 0, current_stream()>>>(
@@ -495,6 +617,21 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
         out.ptr<T>(), dout.ptr<T>(), dos, delta.ptr<float>(), rows, p.t, p.d);
     MB_CUDA_CHECK_LAUNCH("attention_delta_kernel");
     with_head_dim(p.d, [&]<int kMaxD>() {
+      if constexpr (!std::is_same_v<T, float>) {
+        if (use_tensor_cores()) {
+          const tc::TcOperands<T> kp = tc_operands<T>(q, k, v, &dout, args, kMaxD, p.s);
+          tc_dkdv_kernel<T, kMaxD>
+              <<<tile_blocks(op, heads, kp.tiles), tc::kTcThreads, 0, current_stream()>>>(
+                  kp, lse.ptr<float>(), delta.ptr<float>(), dk.ptr<T>(), dv.ptr<T>());
+          MB_CUDA_CHECK_LAUNCH("tc_dkdv_kernel");
+          const tc::TcOperands<T> qp = tc_operands<T>(q, k, v, &dout, args, kMaxD, p.t);
+          tc_dq_kernel<T, kMaxD>
+              <<<tile_blocks(op, heads, qp.tiles), tc::kTcThreads, 0, current_stream()>>>(
+                  qp, lse.ptr<float>(), delta.ptr<float>(), dq.ptr<T>());
+          MB_CUDA_CHECK_LAUNCH("tc_dq_kernel");
+          return;
+        }
+      }
       const std::int64_t k_tiles = ceil_div(p.s, Geometry<kMaxD>::kRows);
       attention_dkdv_kernel<T, kMaxD>
           <<<tile_blocks(op, heads, k_tiles), kBlockThreads, 0, current_stream()>>>(

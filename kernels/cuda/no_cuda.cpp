@@ -56,6 +56,8 @@ void cross_entropy_forward(const StridedView&, const StridedView&, const Strided
 void cross_entropy_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, CrossEntropyArgs) { no_cuda("cuda::cross_entropy_backward"); }
 void layer_norm_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, double) { no_cuda("cuda::layer_norm_forward"); }
 void layer_norm_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&) { no_cuda("cuda::layer_norm_backward"); }
+AttentionKernel attention_kernel() { no_cuda("cuda::attention_kernel"); }
+void set_attention_kernel(AttentionKernel) { no_cuda("cuda::set_attention_kernel"); }
 void attention_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_forward"); }
 void attention_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_backward"); }
 

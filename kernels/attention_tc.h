@@ -1,0 +1,509 @@
+// The tensor-core attention kernels for f16 and bf16 (kernels/cuda/attention.cu launches them):
+// the bodies of one thread block, written once against a small execution context so that the CUDA
+// kernels and a CPU emulation of the warp (tests/core/test_attention_tc.cpp) run the same code.
+//
+// A context `Ctx` gives:
+//   int thread()                      this thread's index in the block, 0..kTcThreads - 1
+//   void sync()                       __syncthreads()
+//   float shfl_xor(float v, int m)    __shfl_xor_sync over the full warp
+//   void mma<T>(TcAcc&, TcA&, TcB&)   c += a * b, one warp-wide mma.sync.m16n8k16 (T = f16 or bf16,
+//                                     f32 accumulation)
+// Every call is made by all threads of the block (or all lanes of the warp) together.
+//
+// Note [Tensor-core attention]: a block of 4 warps owns 64 rows (queries in the forward and dq
+// kernels, keys in the dk/dv kernel), 16 per warp, and walks the other side in tiles of kCols
+// rows. q, k, v and dout tiles sit in shared memory as 16-bit rows of kD (32, 64 or 128; zero
+// padded past D) plus 8 halves of skew, so that the fragment loads of the 32 lanes hit 32 banks.
+// Products are m16n8k16 MMAs with f32 accumulators. A score tile S (16 x kCols per warp) lives in
+// registers in the accumulator layout; the lane holding S[r][c] also holds, after rounding to 16
+// bits, P[r][c] in the A-operand layout of the next MMA (the two layouts coincide, Note [MMA
+// fragments]), so P and dS never go through shared memory. Per row the forward keeps a running max
+// and sum (online softmax, base-2 exponentials with log2(e) folded into the scale) and stores out
+// and the natural-log lse; the backward recomputes P = exp(S - lse) per tile. The dk/dv kernel
+// owns keys and the dq kernel owns queries, so every output element is written once, by one lane,
+// after sums in a fixed order: no atomics, the same bits on every run.
+//
+// Note [MMA fragments] (PTX ISA, mma.m16n8k16 with .f16/.bf16): with g = lane / 4, t = lane % 4,
+//   A (16 x 16, row-major): reg 0 = A[g][2t, 2t+1], reg 1 = A[g+8][2t, 2t+1],
+//                            reg 2 = A[g][2t+8, 2t+9], reg 3 = A[g+8][2t+8, 2t+9]
+//   B (16 x 8):              reg 0 = B[2t, 2t+1][g], reg 1 = B[2t+8, 2t+9][g]
+//   C (16 x 8, f32):         x0, x1 = C[g][2t, 2t+1], x2, x3 = C[g+8][2t, 2t+1]
+// (lower element in the low 16 bits of a register).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "core/half.h"
+#include "kernels/attention.h"
+
+namespace microbatch::kernels::tc {
+
+// Loops over fragments must unroll: registers cannot be indexed at run time.
+#if defined(__CUDACC__)
+#define MB_TC_UNROLL _Pragma("unroll")
+#else
+#define MB_TC_UNROLL
+#endif
+
+inline constexpr int kTcWarps = 4;
+inline constexpr int kTcThreads = kTcWarps * 32;
+inline constexpr int kWarpRows = 16;                     // rows of one MMA
+inline constexpr int kBlockRows = kTcWarps * kWarpRows;  // rows a block owns
+inline constexpr int kSkew = 8;                          // halves of padding per shared row
+
+template <int kD>
+struct TcGeometry {
+  static_assert(kD == 32 || kD == 64 || kD == 128);
+  static constexpr int kCols = kD == 128 ? 16 : 64;  // rows of the walked side per tile
+  static constexpr int kStride = kD + kSkew;         // shared row stride, in halves
+  static constexpr int kDChunks = kD / 16;           // MMA k-steps along D
+  static constexpr int kDTiles = kD / 8;             // MMA n-tiles along D
+  static constexpr int kColTiles = kCols / 8;        // n-tiles along a walked tile
+  static constexpr int kColChunks = kCols / 16;      // k-steps along a walked tile
+  /// Shared memory of every kernel: two 64-row tiles and two kCols-row tiles, plus two floats per
+  /// walked row (the dk/dv kernel's lse and delta).
+  static constexpr int kSharedHalves = 2 * (kBlockRows + kCols) * kStride + 4 * kCols;
+  static_assert(kSharedHalves * 2 <= 48 * 1024, "static shared memory is limited to 48 KiB");
+};
+
+struct TcA {
+  std::uint32_t r[4];
+};
+struct TcB {
+  std::uint32_t r[2];
+};
+struct TcAcc {
+  float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+};
+
+/// What the kernels read: as the SIMT kernels' operands, plus whether each of q, k, v and dout can
+/// be copied to shared memory 16 bytes at a time (D == kD, rows and base 16-byte aligned).
+template <class T>
+struct TcOperands {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* dout;  // backward only
+  HeadStrides qs, ks, vs, dos;
+  std::int64_t t;  // queries per head
+  std::int64_t s;  // keys per head
+  std::int64_t d;  // head dim
+  float scale;
+  bool causal;
+  bool vec_q, vec_k, vec_v, vec_dout;
+  std::int64_t tiles;  // 64-row tiles per head: ceil(t / 64), or ceil(s / 64) in the dk/dv kernel
+};
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kTcNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- fragments ---------------------------------------------------------------------------------
+
+MB_HOST_DEVICE inline std::uint32_t load_pair(const std::uint16_t* p) {  // p 4-byte aligned
+#if defined(__CUDA_ARCH__)
+  return *reinterpret_cast<const std::uint32_t*>(p);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, p, sizeof u);
+  return u;
+#endif
+}
+
+MB_HOST_DEVICE inline std::uint32_t pack_pair(std::uint16_t lo, std::uint16_t hi) {
+  return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
+}
+
+template <class T>
+MB_HOST_DEVICE inline std::uint32_t pack_floats(float lo, float hi) {
+  return pack_pair(T(lo).bits, T(hi).bits);
+}
+
+/// A = M[r0 .. r0+15][k0 .. k0+15] of a row-major shared tile.
+MB_HOST_DEVICE inline TcA load_a(const std::uint16_t* m, int stride, int r0, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const std::uint16_t* lo = m + (r0 + g) * stride + k0 + 2 * t;
+  const std::uint16_t* hi = lo + 8 * stride;
+  return {{load_pair(lo), load_pair(hi), load_pair(lo + 8), load_pair(hi + 8)}};
+}
+
+/// B[k][n] = M[n0 + n][k0 + k]: the tile's rows are B's columns (k^T in q k^T).
+MB_HOST_DEVICE inline TcB load_b_rows(const std::uint16_t* m, int stride, int n0, int k0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const std::uint16_t* p = m + (n0 + g) * stride + k0 + 2 * t;
+  return {{load_pair(p), load_pair(p + 8)}};
+}
+
+/// B[k][n] = M[k0 + k][n0 + n]: the tile as it is (v in p v).
+MB_HOST_DEVICE inline TcB load_b_cols(const std::uint16_t* m, int stride, int k0, int n0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const std::uint16_t* p = m + (k0 + 2 * t) * stride + n0 + g;
+  return {{pack_pair(p[0], p[stride]), pack_pair(p[8 * stride], p[9 * stride])}};
+}
+
+/// The A operand holding, rounded to T, the 16 x 16 accumulator block whose columns 0-7 are `lo`
+/// and 8-15 are `hi` (Note [MMA fragments]).
+template <class T>
+MB_HOST_DEVICE inline TcA to_a(const TcAcc& lo, const TcAcc& hi) {
+  return {{pack_floats<T>(lo.x[0], lo.x[1]), pack_floats<T>(lo.x[2], lo.x[3]),
+           pack_floats<T>(hi.x[0], hi.x[1]), pack_floats<T>(hi.x[2], hi.x[3])}};
+}
+
+// ---- tiles -------------------------------------------------------------------------------------
+
+MB_HOST_DEVICE inline void copy16(std::uint16_t* dst, const void* src) {
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+#else
+  std::memcpy(dst, src, 16);
+#endif
+}
+
+/// tile[r][c] = row first + r, element c of src, for r < tile_rows and c < kD; zero past `rows`
+/// or `d`. Consecutive threads take consecutive elements (or 8-element pieces when `vec`).
+template <int kD, class T, class Ctx>
+MB_HOST_DEVICE void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, const T* src,
+                              std::int64_t row_stride, std::int64_t first, std::int64_t rows,
+                              std::int64_t d, bool vec) {
+  constexpr int kStride = TcGeometry<kD>::kStride;
+  if (vec) {
+    constexpr int kPieces = kD / 8;
+    for (int idx = ctx.thread(); idx < tile_rows * kPieces; idx += kTcThreads) {
+      const int r = idx / kPieces, c = (idx % kPieces) * 8;
+      const std::int64_t row = first + r;
+      std::uint16_t* out = tile + r * kStride + c;
+      if (row < rows) {
+        copy16(out, src + row * row_stride + c);
+      } else {
+        MB_TC_UNROLL
+        for (int e = 0; e < 8; ++e) out[e] = 0;
+      }
+    }
+    return;
+  }
+  for (int idx = ctx.thread(); idx < tile_rows * kD; idx += kTcThreads) {
+    const int r = idx / kD, c = idx % kD;
+    const std::int64_t row = first + r;
+    tile[r * kStride + c] = (row < rows && c < d) ? src[row * row_stride + c].bits : 0;
+  }
+}
+
+template <class T>
+MB_HOST_DEVICE inline bool tc_visible(const TcOperands<T>& p, std::int64_t i, std::int64_t j) {
+  return i < p.t && j < p.s && (!p.causal || j <= i);
+}
+
+/// max with NaN winning, as ops::Maximum.
+MB_HOST_DEVICE inline float tc_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+/// The sum over the 4 lanes of a quad (the lanes holding one accumulator row).
+template <class Ctx>
+MB_HOST_DEVICE inline float quad_sum(Ctx& ctx, float v) {
+  v += ctx.shfl_xor(v, 1);
+  return v + ctx.shfl_xor(v, 2);
+}
+
+template <class Ctx>
+MB_HOST_DEVICE inline float quad_max(Ctx& ctx, float v) {
+  v = tc_max(v, ctx.shfl_xor(v, 1));
+  return tc_max(v, ctx.shfl_xor(v, 2));
+}
+
+/// Which 64-row tile block `block` takes: the last first, so that under a causal mask the longest
+/// walks start earliest.
+MB_HOST_DEVICE inline std::int64_t tile_of(std::int64_t block, std::int64_t tiles) {
+  return tiles - 1 - block % tiles;
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+/// out and lse (kernels/attention.h) for the 64 queries of block `block` (Note [Tensor-core
+/// attention]). `smem` holds TcGeometry<kD>::kSharedHalves halves, 16-byte aligned.
+template <class T, int kD, class Ctx>
+MB_HOST_DEVICE void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* lse,
+                                     std::int64_t block, std::uint16_t* smem) {
+  using G = TcGeometry<kD>;
+  constexpr int P = G::kStride;
+  std::uint16_t* q_s = smem;                   // (64, kD) queries
+  std::uint16_t* k_s = q_s + kBlockRows * P;   // (kCols, kD) keys
+  std::uint16_t* v_s = k_s + G::kCols * P;     // (kCols, kD) values
+  const std::int64_t bh = block / p.tiles;
+  const std::int64_t i0 = tile_of(block, p.tiles) * kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const int g = lane >> 2, t = lane & 3;
+  const T* k = p.k + head_offset(p.ks, bh);
+  const T* v = p.v + head_offset(p.vs, bh);
+  load_tile<kD>(ctx, q_s, kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d, p.vec_q);
+  ctx.sync();
+  TcA qf[G::kDChunks];
+  MB_TC_UNROLL
+  for (int kc = 0; kc < G::kDChunks; ++kc) qf[kc] = load_a(q_s, P, r0, kc * 16, lane);
+
+  const float scale2 = p.scale * kLog2e;
+  float m[2] = {kTcNegInf, kTcNegInf}, l[2] = {0.0f, 0.0f};  // rows g and g + 8, base 2
+  TcAcc o[G::kDTiles];
+  // Causal: no query of this block sees a key past its last query.
+  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + kBlockRows) : p.s;
+  for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
+    ctx.sync();  // every warp is done with the previous tile
+    load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
+    load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
+    ctx.sync();
+
+    TcAcc sc[G::kColTiles];
+    MB_TC_UNROLL
+    for (int nt = 0; nt < G::kColTiles; ++nt) {
+      MB_TC_UNROLL
+      for (int kc = 0; kc < G::kDChunks; ++kc)
+        ctx.template mma<T>(sc[nt], qf[kc], load_b_rows(k_s, P, nt * 8, kc * 16, lane));
+    }
+    MB_TC_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t i = i0 + r0 + g + 8 * h;
+      float mx = kTcNegInf;
+      MB_TC_UNROLL
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        MB_TC_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          float& x = sc[nt].x[2 * h + e];
+          x = tc_visible(p, i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
+          mx = tc_max(mx, x);
+        }
+      }
+      const float m_new = tc_max(m[h], quad_max(ctx, mx));
+      // m_new stays -inf while every key so far is masked: nothing to add, nothing to rescale.
+      const bool none = m_new == kTcNegInf;
+      const float correction = none ? 1.0f : exp2f(m[h] - m_new);  // 0 on the first visible key
+      float sum = 0.0f;
+      MB_TC_UNROLL
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        MB_TC_UNROLL
+        for (int e = 0; e < 2; ++e) {
+          float& x = sc[nt].x[2 * h + e];
+          x = none ? 0.0f : exp2f(x - m_new);
+          sum += x;
+        }
+      }
+      l[h] = l[h] * correction + sum;  // this lane's columns; the quad's are summed at the end
+      m[h] = m_new;
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd) {
+        o[nd].x[2 * h] *= correction;
+        o[nd].x[2 * h + 1] *= correction;
+      }
+    }
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kColChunks; ++kc) {
+      const TcA pa = to_a<T>(sc[2 * kc], sc[2 * kc + 1]);
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd)
+        ctx.template mma<T>(o[nd], pa, load_b_cols(v_s, P, kc * 16, nd * 8, lane));
+    }
+  }
+
+  MB_TC_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const float total = quad_sum(ctx, l[h]);
+    const std::int64_t i = i0 + r0 + g + 8 * h;
+    if (i >= p.t) continue;
+    // total > 0 whenever the query sees a key, which key 0 always is; guard all the same.
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    T* row = out + (bh * p.t + i) * p.d;
+    MB_TC_UNROLL
+    for (int nd = 0; nd < G::kDTiles; ++nd) {
+      MB_TC_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int col = nd * 8 + 2 * t + e;
+        if (col < p.d) row[col] = T(o[nd].x[2 * h + e] * inv);
+      }
+    }
+    if (t == 0) lse[bh * p.t + i] = total > 0.0f ? (m[h] + log2f(total)) * kLn2 : kTcNegInf;
+  }
+}
+
+// ---- backward ----------------------------------------------------------------------------------
+
+/// dk and dv for the 64 keys of block `block`: walks the query tiles that see them, recomputing
+/// S^T = k q^T and dP^T = v dout^T, then P^T = exp(S^T - lse), dS^T = P^T * (dP^T - delta),
+/// dv += P^T dout, dk += dS^T q; dk is scaled once at the end. Overwrites dk and dv.
+template <class T, int kD, class Ctx>
+MB_HOST_DEVICE void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
+                                  const float* delta, T* dk, T* dv, std::int64_t block,
+                                  std::uint16_t* smem) {
+  using G = TcGeometry<kD>;
+  constexpr int P = G::kStride;
+  std::uint16_t* k_s = smem;                    // (64, kD) keys
+  std::uint16_t* v_s = k_s + kBlockRows * P;    // (64, kD) values
+  std::uint16_t* q_s = v_s + kBlockRows * P;    // (kCols, kD) queries
+  std::uint16_t* do_s = q_s + G::kCols * P;     // (kCols, kD) output gradients
+  float* lse_s = reinterpret_cast<float*>(do_s + G::kCols * P);  // (kCols) lse * log2(e)
+  float* delta_s = lse_s + G::kCols;                              // (kCols)
+  const std::int64_t bh = block / p.tiles;
+  const std::int64_t j0 = tile_of(block, p.tiles) * kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const int g = lane >> 2, t = lane & 3;
+  const T* q = p.q + head_offset(p.qs, bh);
+  const T* dout = p.dout + head_offset(p.dos, bh);
+  load_tile<kD>(ctx, k_s, kBlockRows, p.k + head_offset(p.ks, bh), p.ks.row, j0, p.s, p.d, p.vec_k);
+  load_tile<kD>(ctx, v_s, kBlockRows, p.v + head_offset(p.vs, bh), p.vs.row, j0, p.s, p.d, p.vec_v);
+
+  const float scale2 = p.scale * kLog2e;
+  TcAcc dk_acc[G::kDTiles], dv_acc[G::kDTiles];
+  // Causal: queries before the block's first key see none of its keys.
+  const std::int64_t first = p.causal ? (j0 / G::kCols) * G::kCols : 0;
+  for (std::int64_t i0 = first; i0 < p.t; i0 += G::kCols) {
+    ctx.sync();  // every warp is done with the previous tile
+    load_tile<kD>(ctx, q_s, G::kCols, q, p.qs.row, i0, p.t, p.d, p.vec_q);
+    load_tile<kD>(ctx, do_s, G::kCols, dout, p.dos.row, i0, p.t, p.d, p.vec_dout);
+    for (int c = ctx.thread(); c < G::kCols; c += kTcThreads) {
+      const std::int64_t i = i0 + c;
+      lse_s[c] = i < p.t ? lse[bh * p.t + i] * kLog2e : 0.0f;
+      delta_s[c] = i < p.t ? delta[bh * p.t + i] : 0.0f;
+    }
+    ctx.sync();  // the tiles (and, on the first pass, k_s and v_s) are in place
+
+    TcAcc st[G::kColTiles], dpt[G::kColTiles];  // S^T and dP^T: rows keys, columns queries
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kDChunks; ++kc) {
+      const TcA ka = load_a(k_s, P, r0, kc * 16, lane);
+      const TcA va = load_a(v_s, P, r0, kc * 16, lane);
+      MB_TC_UNROLL
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        ctx.template mma<T>(st[nt], ka, load_b_rows(q_s, P, nt * 8, kc * 16, lane));
+        ctx.template mma<T>(dpt[nt], va, load_b_rows(do_s, P, nt * 8, kc * 16, lane));
+      }
+    }
+    MB_TC_UNROLL
+    for (int nt = 0; nt < G::kColTiles; ++nt) {
+      MB_TC_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + 2 * t + (e & 1);
+        const std::int64_t j = j0 + r0 + g + 8 * (e >> 1);
+        const bool seen = tc_visible(p, i0 + c, j);
+        const float pr = seen ? exp2f(st[nt].x[e] * scale2 - lse_s[c]) : 0.0f;
+        dpt[nt].x[e] = seen ? pr * (dpt[nt].x[e] - delta_s[c]) : 0.0f;
+        st[nt].x[e] = pr;
+      }
+    }
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kColChunks; ++kc) {
+      const TcA pa = to_a<T>(st[2 * kc], st[2 * kc + 1]);
+      const TcA dsa = to_a<T>(dpt[2 * kc], dpt[2 * kc + 1]);
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd) {
+        ctx.template mma<T>(dv_acc[nd], pa, load_b_cols(do_s, P, kc * 16, nd * 8, lane));
+        ctx.template mma<T>(dk_acc[nd], dsa, load_b_cols(q_s, P, kc * 16, nd * 8, lane));
+      }
+    }
+  }
+
+  MB_TC_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t j = j0 + r0 + g + 8 * h;
+    if (j >= p.s) continue;
+    T* dk_row = dk + (bh * p.s + j) * p.d;
+    T* dv_row = dv + (bh * p.s + j) * p.d;
+    MB_TC_UNROLL
+    for (int nd = 0; nd < G::kDTiles; ++nd) {
+      MB_TC_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int col = nd * 8 + 2 * t + e;
+        if (col >= p.d) continue;
+        dk_row[col] = T(dk_acc[nd].x[2 * h + e] * p.scale);
+        dv_row[col] = T(dv_acc[nd].x[2 * h + e]);
+      }
+    }
+  }
+}
+
+/// dq for the 64 queries of block `block`: walks the key tiles they see, recomputing S = q k^T and
+/// dP = dout v^T, then dS = exp(S - lse) * (dP - delta), dq += dS k, scaled once at the end.
+/// Overwrites dq.
+template <class T, int kD, class Ctx>
+MB_HOST_DEVICE void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
+                                const float* delta, T* dq, std::int64_t block,
+                                std::uint16_t* smem) {
+  using G = TcGeometry<kD>;
+  constexpr int P = G::kStride;
+  std::uint16_t* q_s = smem;                   // (64, kD) queries
+  std::uint16_t* do_s = q_s + kBlockRows * P;  // (64, kD) output gradients
+  std::uint16_t* k_s = do_s + kBlockRows * P;  // (kCols, kD) keys
+  std::uint16_t* v_s = k_s + G::kCols * P;     // (kCols, kD) values
+  const std::int64_t bh = block / p.tiles;
+  const std::int64_t i0 = tile_of(block, p.tiles) * kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const int g = lane >> 2, t = lane & 3;
+  const T* k = p.k + head_offset(p.ks, bh);
+  const T* v = p.v + head_offset(p.vs, bh);
+  load_tile<kD>(ctx, q_s, kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d, p.vec_q);
+  load_tile<kD>(ctx, do_s, kBlockRows, p.dout + head_offset(p.dos, bh), p.dos.row, i0, p.t, p.d,
+                p.vec_dout);
+  float lse2[2], delta_r[2];  // rows g and g + 8
+  MB_TC_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t i = i0 + r0 + g + 8 * h;
+    lse2[h] = i < p.t ? lse[bh * p.t + i] * kLog2e : 0.0f;
+    delta_r[h] = i < p.t ? delta[bh * p.t + i] : 0.0f;
+  }
+
+  const float scale2 = p.scale * kLog2e;
+  TcAcc dq_acc[G::kDTiles];
+  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + kBlockRows) : p.s;
+  for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
+    ctx.sync();  // every warp is done with the previous tile
+    load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
+    load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
+    ctx.sync();  // the tiles (and, on the first pass, q_s and do_s) are in place
+
+    TcAcc sc[G::kColTiles], dp[G::kColTiles];
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kDChunks; ++kc) {
+      const TcA qa = load_a(q_s, P, r0, kc * 16, lane);
+      const TcA oa = load_a(do_s, P, r0, kc * 16, lane);
+      MB_TC_UNROLL
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        ctx.template mma<T>(sc[nt], qa, load_b_rows(k_s, P, nt * 8, kc * 16, lane));
+        ctx.template mma<T>(dp[nt], oa, load_b_rows(v_s, P, nt * 8, kc * 16, lane));
+      }
+    }
+    MB_TC_UNROLL
+    for (int nt = 0; nt < G::kColTiles; ++nt) {
+      MB_TC_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1;
+        const std::int64_t i = i0 + r0 + g + 8 * h;
+        const bool seen = tc_visible(p, i, j0 + nt * 8 + 2 * t + (e & 1));
+        sc[nt].x[e] =
+            seen ? exp2f(sc[nt].x[e] * scale2 - lse2[h]) * (dp[nt].x[e] - delta_r[h]) : 0.0f;
+      }
+    }
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kColChunks; ++kc) {
+      const TcA dsa = to_a<T>(sc[2 * kc], sc[2 * kc + 1]);
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd)
+        ctx.template mma<T>(dq_acc[nd], dsa, load_b_cols(k_s, P, kc * 16, nd * 8, lane));
+    }
+  }
+
+  MB_TC_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    const std::int64_t i = i0 + r0 + g + 8 * h;
+    if (i >= p.t) continue;
+    T* row = dq + (bh * p.t + i) * p.d;
+    MB_TC_UNROLL
+    for (int nd = 0; nd < G::kDTiles; ++nd) {
+      MB_TC_UNROLL
+      for (int e = 0; e < 2; ++e) {
+        const int col = nd * 8 + 2 * t + e;
+        if (col < p.d) row[col] = T(dq_acc[nd].x[2 * h + e] * p.scale);
+      }
+    }
+  }
+}
+
+}  // namespace microbatch::kernels::tc
