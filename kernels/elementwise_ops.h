@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "core/half.h"
 
@@ -50,7 +51,12 @@ struct Silu {
 
 struct Add { template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return a + b; } };
 struct Sub { template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return a - b; } };
-struct Mul { template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return a * b; } };
+struct Mul {
+  template <class T> MB_HOST_DEVICE T operator()(T a, T b) const {
+    if constexpr (std::is_same_v<T, bool>) return a && b;  // as torch.mul on bool
+    else return a * b;
+  }
+};
 struct Div { template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return a / b; } };
 struct Pow {
   template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return static_cast<T>(std::pow(a, b)); }

@@ -78,6 +78,12 @@ void unary_any(const StridedView& out, const StridedView& in, F f) {
   dispatch_all(in.dtype, [&]<class T>() { unary_loop<T>(out, in, f); });
 }
 
+// Activations and their backward rules, which the ops allow on floating dtypes only.
+template <class F>
+void unary_floating(const StridedView& out, const StridedView& in, F f) {
+  dispatch_float(in.dtype, "unary", [&]<class T>() { unary_loop<T>(out, in, f); });
+}
+
 template <class T, class R, class F>
 void binary_loop(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
   using C = compute_t<T>;
@@ -96,6 +102,11 @@ void binary_same(const StridedView& out, const StridedView& a, const StridedView
 }
 
 template <class F>
+void binary_floating(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
+  dispatch_float(a.dtype, "binary", [&]<class T>() { binary_loop<T, T>(out, a, b, f); });
+}
+
+template <class F>
 void binary_bool(const StridedView& out, const StridedView& a, const StridedView& b, F f) {
   dispatch_all(a.dtype, [&]<class T>() { binary_loop<T, bool>(out, a, b, f); });
 }
@@ -110,12 +121,12 @@ void unary(UnaryOp op, const StridedView& out, const StridedView& in) {
     case UnaryOp::Sqrt: return unary_any(out, in, ops::Sqrt{});
     case UnaryOp::Rsqrt: return unary_any(out, in, ops::Rsqrt{});
     case UnaryOp::Abs: return unary_any(out, in, ops::Abs{});
-    case UnaryOp::Tanh: return unary_any(out, in, ops::Tanh{});
-    case UnaryOp::Sigmoid: return unary_any(out, in, ops::Sigmoid{});
+    case UnaryOp::Tanh: return unary_floating(out, in, ops::Tanh{});
+    case UnaryOp::Sigmoid: return unary_floating(out, in, ops::Sigmoid{});
     case UnaryOp::Relu: return unary_any(out, in, ops::Relu{});
-    case UnaryOp::GeluErf: return unary_any(out, in, ops::GeluErf{});
-    case UnaryOp::GeluTanh: return unary_any(out, in, ops::GeluTanh{});
-    case UnaryOp::Silu: return unary_any(out, in, ops::Silu{});
+    case UnaryOp::GeluErf: return unary_floating(out, in, ops::GeluErf{});
+    case UnaryOp::GeluTanh: return unary_floating(out, in, ops::GeluTanh{});
+    case UnaryOp::Silu: return unary_floating(out, in, ops::Silu{});
   }
 }
 
@@ -135,11 +146,11 @@ void binary(BinaryOp op, const StridedView& out, const StridedView& a, const Str
     case BinaryOp::Gt: return binary_bool(out, a, b, ops::Gt{});
     case BinaryOp::Ge: return binary_bool(out, a, b, ops::Ge{});
     case BinaryOp::ReluBackward: return binary_same(out, a, b, ops::ReluBackward{});
-    case BinaryOp::GeluErfBackward: return binary_same(out, a, b, ops::GeluErfBackward{});
-    case BinaryOp::GeluTanhBackward: return binary_same(out, a, b, ops::GeluTanhBackward{});
-    case BinaryOp::SiluBackward: return binary_same(out, a, b, ops::SiluBackward{});
-    case BinaryOp::SigmoidBackward: return binary_same(out, a, b, ops::SigmoidBackward{});
-    case BinaryOp::TanhBackward: return binary_same(out, a, b, ops::TanhBackward{});
+    case BinaryOp::GeluErfBackward: return binary_floating(out, a, b, ops::GeluErfBackward{});
+    case BinaryOp::GeluTanhBackward: return binary_floating(out, a, b, ops::GeluTanhBackward{});
+    case BinaryOp::SiluBackward: return binary_floating(out, a, b, ops::SiluBackward{});
+    case BinaryOp::SigmoidBackward: return binary_floating(out, a, b, ops::SigmoidBackward{});
+    case BinaryOp::TanhBackward: return binary_floating(out, a, b, ops::TanhBackward{});
   }
 }
 

@@ -72,6 +72,16 @@ void gradcheck(const std::string& name, const OpFn& f, const std::vector<Tensor>
   }
 }
 
+kernels::StridedView view_of(const Shape& shape, const Shape& strides) {
+  kernels::StridedView v;
+  v.ndim = static_cast<int>(shape.size());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = shape[i];
+    v.strides[i] = strides[i];
+  }
+  return v;
+}
+
 Tensor non_contiguous(const Tensor& t) {
   Shape wide = t.shape();
   wide.push_back(2);

@@ -48,6 +48,9 @@ void gradcheck(const std::string& name, const OpFn& f, const std::vector<Tensor>
 /// The same values as t (a leaf requiring grad if t does) in a non-contiguous layout.
 Tensor non_contiguous(const Tensor& t);
 
+/// A kernel view of no data with these shape and strides (for layout arithmetic).
+kernels::StridedView view_of(const Shape& shape, const Shape& strides);
+
 /// Deterministic f64 values in [lo, hi) with the given shape (requires grad).
 Tensor input(const Shape& shape, double lo = -1.0, double hi = 1.0, std::uint64_t seed = 1);
 

@@ -57,19 +57,10 @@ TEST_CASE("indexer: merged dims give the offsets of a row-major walk") {
     }
     return off;
   };
-  auto view = [](Shape shape, Shape strides) {
-    kernels::StridedView v;
-    v.ndim = static_cast<int>(shape.size());
-    for (int i = 0; i < v.ndim; ++i) {
-      v.shape[i] = shape[i];
-      v.strides[i] = strides[i];
-    }
-    return v;
-  };
-  const kernels::StridedView out = view({2, 1, 3, 4}, {12, 12, 4, 1});
-  const kernels::StridedView transposed = view({2, 1, 3, 4}, {1, 1, 2, 6});
-  const kernels::StridedView bias = view({2, 1, 3, 4}, {0, 0, 1, 0});
-  const kernels::StridedView scalar = view({2, 1, 3, 4}, {0, 0, 0, 0});
+  const kernels::StridedView out = view_of({2, 1, 3, 4}, {12, 12, 4, 1});
+  const kernels::StridedView transposed = view_of({2, 1, 3, 4}, {1, 1, 2, 6});
+  const kernels::StridedView bias = view_of({2, 1, 3, 4}, {0, 0, 1, 0});
+  const kernels::StridedView scalar = view_of({2, 1, 3, 4}, {0, 0, 0, 0});
   const kernels::StridedView* const views[4] = {&out, &transposed, &bias, &scalar};
   for (bool small : {true, false}) {
     kernels::Indexer<4> ix = kernels::make_indexer(views);
@@ -88,7 +79,7 @@ TEST_CASE("indexer: merged dims give the offsets of a row-major walk") {
   CHECK(flat.shape[0] == 24);
   CHECK(flat.is_contiguous());
   // A 0-d view: no dims, offset 0.
-  const kernels::StridedView scalar0 = view({}, {});
+  const kernels::StridedView scalar0 = view_of({}, {});
   const kernels::StridedView* const none[1] = {&scalar0};
   const kernels::Indexer<1> zero = kernels::make_indexer(none);
   std::int64_t off[1] = {7};

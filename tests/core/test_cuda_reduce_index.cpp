@@ -35,16 +35,6 @@ void check_equal(const Tensor& actual, const Tensor& expected, const std::string
   }
 }
 
-kernels::StridedView view(const Shape& shape, const Shape& strides) {
-  kernels::StridedView v;
-  v.ndim = static_cast<int>(shape.size());
-  for (int i = 0; i < v.ndim; ++i) {
-    v.shape[i] = shape[i];
-    v.strides[i] = strides[i];
-  }
-  return v;
-}
-
 // n token ids below `vocab` with long runs of one id: every third position is token 7, token 11
 // appears 16 times and token 12 17 times (a run of exactly one load chunk and one past it), the
 // rest are spread by a multiplicative hash over [100, vocab).
@@ -93,8 +83,8 @@ TEST_CASE("column sums split rows into at most 256 non-empty chunks of at least 
 
 TEST_CASE("the sorted scatter applies to embedding-like views only and sizes its workspace") {
   const std::int64_t n = 8192, c = 768, vocab = 50257;
-  const kernels::StridedView dst = view({vocab, c}, {c, 1}), src = view({n, c}, {c, 1});
-  const kernels::StridedView rows = view({n, c}, {1, 0});  // one index per row
+  const kernels::StridedView dst = view_of({vocab, c}, {c, 1}), src = view_of({n, c}, {c, 1});
+  const kernels::StridedView rows = view_of({n, c}, {1, 0});  // one index per row
   const std::int64_t bytes = kernels::sorted_scatter_workspace_bytes(dst, src, rows, 0);
   const kernels::SortedScatterLayout l = kernels::sorted_scatter_layout(n);
   CHECK(bytes == l.total);
@@ -106,15 +96,15 @@ TEST_CASE("the sorted scatter applies to embedding-like views only and sizes its
   CHECK(l.total == l.sort + l.sort_bytes);
   // Another dim, an index per element, too few positions, or a 3-D view: the unsorted kernel.
   CHECK(kernels::sorted_scatter_workspace_bytes(dst, src, rows, 1) == 0);
-  CHECK(kernels::sorted_scatter_workspace_bytes(dst, src, view({n, c}, {c, 1}), 0) == 0);
-  const kernels::StridedView few = view({255, c}, {c, 1});
-  CHECK(kernels::sorted_scatter_workspace_bytes(dst, few, view({255, c}, {1, 0}), 0) == 0);
-  const kernels::StridedView dst3 = view({vocab, 2, c}, {2 * c, c, 1});
-  const kernels::StridedView src3 = view({n, 2, c}, {2 * c, c, 1});
-  CHECK(kernels::sorted_scatter_workspace_bytes(dst3, src3, view({n, 2, c}, {1, 0, 0}), 0) == 0);
+  CHECK(kernels::sorted_scatter_workspace_bytes(dst, src, view_of({n, c}, {c, 1}), 0) == 0);
+  const kernels::StridedView few = view_of({255, c}, {c, 1});
+  CHECK(kernels::sorted_scatter_workspace_bytes(dst, few, view_of({255, c}, {1, 0}), 0) == 0);
+  const kernels::StridedView dst3 = view_of({vocab, 2, c}, {2 * c, c, 1});
+  const kernels::StridedView src3 = view_of({n, 2, c}, {2 * c, c, 1});
+  CHECK(kernels::sorted_scatter_workspace_bytes(dst3, src3, view_of({n, 2, c}, {1, 0, 0}), 0) == 0);
   // One column: an index per element is an index per row.
-  const kernels::StridedView one = view({n, 1}, {1, 1});
-  CHECK(kernels::sorted_scatter_workspace_bytes(view({vocab, 4}, {4, 1}), one, one, 0) > 0);
+  const kernels::StridedView one = view_of({n, 1}, {1, 1});
+  CHECK(kernels::sorted_scatter_workspace_bytes(view_of({vocab, 4}, {4, 1}), one, one, 0) > 0);
 }
 
 TEST_CASE(
