@@ -42,10 +42,13 @@
 
 namespace microbatch::kernels::tc {
 
-// Loops over fragments must unroll: registers cannot be indexed at run time.
+// Device functions under nvcc (the kernels in kernels/cuda/attention.cu), host functions for the
+// CPU emulation. Loops over fragments must unroll: registers cannot be indexed at run time.
 #if defined(__CUDACC__)
+#define MB_TC_FN __device__
 #define MB_TC_UNROLL _Pragma("unroll")
 #else
+#define MB_TC_FN
 #define MB_TC_UNROLL
 #endif
 
@@ -104,7 +107,7 @@ inline constexpr float kTcNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- fragments ---------------------------------------------------------------------------------
 
-MB_HOST_DEVICE inline std::uint32_t load_pair(const std::uint16_t* p) {  // p 4-byte aligned
+MB_TC_FN inline std::uint32_t load_pair(const std::uint16_t* p) {  // p 4-byte aligned
 #if defined(__CUDA_ARCH__)
   return *reinterpret_cast<const std::uint32_t*>(p);
 #else
@@ -114,17 +117,17 @@ MB_HOST_DEVICE inline std::uint32_t load_pair(const std::uint16_t* p) {  // p 4-
 #endif
 }
 
-MB_HOST_DEVICE inline std::uint32_t pack_pair(std::uint16_t lo, std::uint16_t hi) {
+MB_TC_FN inline std::uint32_t pack_pair(std::uint16_t lo, std::uint16_t hi) {
   return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
 }
 
 template <class T>
-MB_HOST_DEVICE inline std::uint32_t pack_floats(float lo, float hi) {
+MB_TC_FN inline std::uint32_t pack_floats(float lo, float hi) {
   return pack_pair(T(lo).bits, T(hi).bits);
 }
 
 /// A = M[r0 .. r0+15][k0 .. k0+15] of a row-major shared tile.
-MB_HOST_DEVICE inline TcA load_a(const std::uint16_t* m, int stride, int r0, int k0, int lane) {
+MB_TC_FN inline TcA load_a(const std::uint16_t* m, int stride, int r0, int k0, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const std::uint16_t* lo = m + (r0 + g) * stride + k0 + 2 * t;
   const std::uint16_t* hi = lo + 8 * stride;
@@ -132,14 +135,14 @@ MB_HOST_DEVICE inline TcA load_a(const std::uint16_t* m, int stride, int r0, int
 }
 
 /// B[k][n] = M[n0 + n][k0 + k]: the tile's rows are B's columns (k^T in q k^T).
-MB_HOST_DEVICE inline TcB load_b_rows(const std::uint16_t* m, int stride, int n0, int k0, int lane) {
+MB_TC_FN inline TcB load_b_rows(const std::uint16_t* m, int stride, int n0, int k0, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const std::uint16_t* p = m + (n0 + g) * stride + k0 + 2 * t;
   return {{load_pair(p), load_pair(p + 8)}};
 }
 
 /// B[k][n] = M[k0 + k][n0 + n]: the tile as it is (v in p v).
-MB_HOST_DEVICE inline TcB load_b_cols(const std::uint16_t* m, int stride, int k0, int n0, int lane) {
+MB_TC_FN inline TcB load_b_cols(const std::uint16_t* m, int stride, int k0, int n0, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const std::uint16_t* p = m + (k0 + 2 * t) * stride + n0 + g;
   return {{pack_pair(p[0], p[stride]), pack_pair(p[8 * stride], p[9 * stride])}};
@@ -148,14 +151,14 @@ MB_HOST_DEVICE inline TcB load_b_cols(const std::uint16_t* m, int stride, int k0
 /// The A operand holding, rounded to T, the 16 x 16 accumulator block whose columns 0-7 are `lo`
 /// and 8-15 are `hi` (Note [MMA fragments]).
 template <class T>
-MB_HOST_DEVICE inline TcA to_a(const TcAcc& lo, const TcAcc& hi) {
+MB_TC_FN inline TcA to_a(const TcAcc& lo, const TcAcc& hi) {
   return {{pack_floats<T>(lo.x[0], lo.x[1]), pack_floats<T>(lo.x[2], lo.x[3]),
            pack_floats<T>(hi.x[0], hi.x[1]), pack_floats<T>(hi.x[2], hi.x[3])}};
 }
 
 // ---- tiles -------------------------------------------------------------------------------------
 
-MB_HOST_DEVICE inline void copy16(std::uint16_t* dst, const void* src) {
+MB_TC_FN inline void copy16(std::uint16_t* dst, const void* src) {
 #if defined(__CUDA_ARCH__)
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 #else
@@ -166,7 +169,7 @@ MB_HOST_DEVICE inline void copy16(std::uint16_t* dst, const void* src) {
 /// tile[r][c] = row first + r, element c of src, for r < tile_rows and c < kD; zero past `rows`
 /// or `d`. Consecutive threads take consecutive elements (or 8-element pieces when `vec`).
 template <int kD, class T, class Ctx>
-MB_HOST_DEVICE void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, const T* src,
+MB_TC_FN void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, const T* src,
                               std::int64_t row_stride, std::int64_t first, std::int64_t rows,
                               std::int64_t d, bool vec) {
   constexpr int kStride = TcGeometry<kD>::kStride;
@@ -193,30 +196,45 @@ MB_HOST_DEVICE void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, cons
 }
 
 template <class T>
-MB_HOST_DEVICE inline bool tc_visible(const TcOperands<T>& p, std::int64_t i, std::int64_t j) {
+MB_TC_FN inline bool tc_visible(const TcOperands<T>& p, std::int64_t i, std::int64_t j) {
   return i < p.t && j < p.s && (!p.causal || j <= i);
 }
 
 /// max with NaN winning, as ops::Maximum.
-MB_HOST_DEVICE inline float tc_max(float a, float b) { return (a != a || a > b) ? a : b; }
+MB_TC_FN inline float tc_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
 /// The sum over the 4 lanes of a quad (the lanes holding one accumulator row).
 template <class Ctx>
-MB_HOST_DEVICE inline float quad_sum(Ctx& ctx, float v) {
+MB_TC_FN inline float quad_sum(Ctx& ctx, float v) {
   v += ctx.shfl_xor(v, 1);
   return v + ctx.shfl_xor(v, 2);
 }
 
 template <class Ctx>
-MB_HOST_DEVICE inline float quad_max(Ctx& ctx, float v) {
+MB_TC_FN inline float quad_max(Ctx& ctx, float v) {
   v = tc_max(v, ctx.shfl_xor(v, 1));
   return tc_max(v, ctx.shfl_xor(v, 2));
 }
 
 /// Which 64-row tile block `block` takes: the last first, so that under a causal mask the longest
 /// walks start earliest.
-MB_HOST_DEVICE inline std::int64_t tile_of(std::int64_t block, std::int64_t tiles) {
+MB_TC_FN inline std::int64_t tile_of(std::int64_t block, std::int64_t tiles) {
   return tiles - 1 - block % tiles;
+}
+
+/// row[col] = T(acc[nd].x[2h + e] * factor) for the columns col = nd * 8 + 2t + e this lane holds
+/// in accumulator row half h (Note [MMA fragments]), those below d.
+template <class T, int kTiles>
+MB_TC_FN inline void store_row(T* row, const TcAcc (&acc)[kTiles], int h, int t,
+                                     std::int64_t d, float factor) {
+  MB_TC_UNROLL
+  for (int nd = 0; nd < kTiles; ++nd) {
+    MB_TC_UNROLL
+    for (int e = 0; e < 2; ++e) {
+      const int col = nd * 8 + 2 * t + e;
+      if (col < d) row[col] = T(acc[nd].x[2 * h + e] * factor);
+    }
+  }
 }
 
 // ---- forward -----------------------------------------------------------------------------------
@@ -224,7 +242,7 @@ MB_HOST_DEVICE inline std::int64_t tile_of(std::int64_t block, std::int64_t tile
 /// out and lse (kernels/attention.h) for the 64 queries of block `block` (Note [Tensor-core
 /// attention]). `smem` holds TcGeometry<kD>::kSharedHalves halves, 16-byte aligned.
 template <class T, int kD, class Ctx>
-MB_HOST_DEVICE void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* lse,
+MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* lse,
                                      std::int64_t block, std::uint16_t* smem) {
   using G = TcGeometry<kD>;
   constexpr int P = G::kStride;
@@ -311,16 +329,7 @@ MB_HOST_DEVICE void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, f
     const std::int64_t i = i0 + r0 + g + 8 * h;
     if (i >= p.t) continue;
     // total > 0 whenever the query sees a key, which key 0 always is; guard all the same.
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    T* row = out + (bh * p.t + i) * p.d;
-    MB_TC_UNROLL
-    for (int nd = 0; nd < G::kDTiles; ++nd) {
-      MB_TC_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = nd * 8 + 2 * t + e;
-        if (col < p.d) row[col] = T(o[nd].x[2 * h + e] * inv);
-      }
-    }
+    store_row(out + (bh * p.t + i) * p.d, o, h, t, p.d, total > 0.0f ? 1.0f / total : 0.0f);
     if (t == 0) lse[bh * p.t + i] = total > 0.0f ? (m[h] + log2f(total)) * kLn2 : kTcNegInf;
   }
 }
@@ -331,7 +340,7 @@ MB_HOST_DEVICE void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, f
 /// S^T = k q^T and dP^T = v dout^T, then P^T = exp(S^T - lse), dS^T = P^T * (dP^T - delta),
 /// dv += P^T dout, dk += dS^T q; dk is scaled once at the end. Overwrites dk and dv.
 template <class T, int kD, class Ctx>
-MB_HOST_DEVICE void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
+MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
                                   const float* delta, T* dk, T* dv, std::int64_t block,
                                   std::uint16_t* smem) {
   using G = TcGeometry<kD>;
@@ -405,18 +414,8 @@ MB_HOST_DEVICE void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float*
   for (int h = 0; h < 2; ++h) {
     const std::int64_t j = j0 + r0 + g + 8 * h;
     if (j >= p.s) continue;
-    T* dk_row = dk + (bh * p.s + j) * p.d;
-    T* dv_row = dv + (bh * p.s + j) * p.d;
-    MB_TC_UNROLL
-    for (int nd = 0; nd < G::kDTiles; ++nd) {
-      MB_TC_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = nd * 8 + 2 * t + e;
-        if (col >= p.d) continue;
-        dk_row[col] = T(dk_acc[nd].x[2 * h + e] * p.scale);
-        dv_row[col] = T(dv_acc[nd].x[2 * h + e]);
-      }
-    }
+    store_row(dk + (bh * p.s + j) * p.d, dk_acc, h, t, p.d, p.scale);
+    store_row(dv + (bh * p.s + j) * p.d, dv_acc, h, t, p.d, 1.0f);
   }
 }
 
@@ -424,7 +423,7 @@ MB_HOST_DEVICE void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float*
 /// dP = dout v^T, then dS = exp(S - lse) * (dP - delta), dq += dS k, scaled once at the end.
 /// Overwrites dq.
 template <class T, int kD, class Ctx>
-MB_HOST_DEVICE void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
+MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
                                 const float* delta, T* dq, std::int64_t block,
                                 std::uint16_t* smem) {
   using G = TcGeometry<kD>;
@@ -494,15 +493,7 @@ MB_HOST_DEVICE void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* l
   for (int h = 0; h < 2; ++h) {
     const std::int64_t i = i0 + r0 + g + 8 * h;
     if (i >= p.t) continue;
-    T* row = dq + (bh * p.t + i) * p.d;
-    MB_TC_UNROLL
-    for (int nd = 0; nd < G::kDTiles; ++nd) {
-      MB_TC_UNROLL
-      for (int e = 0; e < 2; ++e) {
-        const int col = nd * 8 + 2 * t + e;
-        if (col < p.d) row[col] = T(dq_acc[nd].x[2 * h + e] * p.scale);
-      }
-    }
+    store_row(dq + (bh * p.t + i) * p.d, dq_acc, h, t, p.d, p.scale);
   }
 }
 
