@@ -10,11 +10,13 @@
 //                                     f32 accumulation)
 // Every call is made by all threads of the block (or all lanes of the warp) together.
 //
-// Note [Tensor-core attention]: a block of 4 warps owns 64 rows (queries in the forward and dq
-// kernels, keys in the dk/dv kernel), 16 per warp, and walks the other side in tiles of kCols
-// rows. q, k, v and dout tiles sit in shared memory as 16-bit rows of kD (32, 64 or 128; zero
-// padded past D) plus 8 halves of skew, so that the fragment loads of the 32 lanes hit 32 banks.
-// Products are m16n8k16 MMAs with f32 accumulators. A score tile S (16 x kCols per warp) lives in
+// Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward and
+// dq kernels, keys in the dk/dv kernel), each warp kM tiles of 16 (kForwardTiles, kBackwardTiles),
+// and walks the other side in tiles of kCols rows; every B fragment a warp loads
+// from shared memory feeds its kM MMAs. q, k, v and dout tiles sit in shared memory as 16-bit rows
+// of kD (32, 64 or 128; zero padded past D) plus 8 halves of skew, so that the fragment loads of
+// the 32 lanes hit 32 banks. Products are m16n8k16 MMAs with f32 accumulators. A score tile S
+// (16 x kCols per row tile) lives in
 // registers in the accumulator layout; the lane holding S[r][c] also holds, after rounding to 16
 // bits, P[r][c] in the A-operand layout of the next MMA (the two layouts coincide, Note [MMA
 // fragments]), so P and dS never go through shared memory. Per row the forward keeps a running max
@@ -54,24 +56,33 @@ namespace microbatch::kernels::tc {
 
 inline constexpr int kTcWarps = 4;
 inline constexpr int kTcThreads = kTcWarps * 32;
-inline constexpr int kWarpRows = 16;                     // rows of one MMA
-inline constexpr int kBlockRows = kTcWarps * kWarpRows;  // rows a block owns
-inline constexpr int kSkew = 8;                          // halves of padding per shared row
+inline constexpr int kSkew = 8;  // halves of padding per shared row
 
-template <int kD>
+template <int kD, int kM>
 struct TcGeometry {
   static_assert(kD == 32 || kD == 64 || kD == 128);
-  static constexpr int kCols = kD == 128 ? 16 : 64;  // rows of the walked side per tile
-  static constexpr int kStride = kD + kSkew;         // shared row stride, in halves
-  static constexpr int kDChunks = kD / 16;           // MMA k-steps along D
-  static constexpr int kDTiles = kD / 8;             // MMA n-tiles along D
-  static constexpr int kColTiles = kCols / 8;        // n-tiles along a walked tile
-  static constexpr int kColChunks = kCols / 16;      // k-steps along a walked tile
-  /// Shared memory of every kernel: two 64-row tiles and two kCols-row tiles, plus two floats per
-  /// walked row (the dk/dv kernel's lse and delta).
+  static_assert(kM == 1 || (kM == 2 && kD <= 64), "128-wide heads fit one row tile per warp");
+  // A warp owns kM 16-row MMA tiles, so that each B fragment it loads feeds kM MMAs.
+  static constexpr int kWarpRows = 16 * kM;
+  static constexpr int kBlockRows = kTcWarps * kWarpRows;  // rows a block owns
+  static constexpr int kCols = kD == 128 ? 16 : 64 / kM;   // rows of the walked side per tile
+  static constexpr int kStride = kD + kSkew;               // shared row stride, in halves
+  static constexpr int kDChunks = kD / 16;                 // MMA k-steps along D
+  static constexpr int kDTiles = kD / 8;                   // MMA n-tiles along D
+  static constexpr int kColTiles = kCols / 8;              // n-tiles along a walked tile
+  static constexpr int kColChunks = kCols / 16;            // k-steps along a walked tile
+  /// Shared memory of every kernel: two kBlockRows-row tiles and two kCols-row tiles, plus two
+  /// floats per walked row (the dk/dv kernel's lse and delta).
   static constexpr int kSharedHalves = 2 * (kBlockRows + kCols) * kStride + 4 * kCols;
   static_assert(kSharedHalves * 2 <= 48 * 1024, "static shared memory is limited to 48 KiB");
 };
+
+/// Row tiles per warp of each kernel. Two halve the forward's shared-memory reads per MMA; the
+/// backward kernels keep one, as their accumulators already take ~170 registers (two take 250,
+/// one block per SM fewer). Not yet tuned on a GPU.
+template <int kD>
+inline constexpr int kForwardTiles = kD == 128 ? 1 : 2;
+inline constexpr int kBackwardTiles = 1;
 
 struct TcA {
   std::uint32_t r[4];
@@ -98,7 +109,7 @@ struct TcOperands {
   float scale;
   bool causal;
   bool vec_q, vec_k, vec_v, vec_dout;
-  std::int64_t tiles;  // 64-row tiles per head: ceil(t / 64), or ceil(s / 64) in the dk/dv kernel
+  std::int64_t tiles;  // block tiles per head: ceil(t / kBlockRows), or ceil(s / kBlockRows) for dk/dv
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -172,7 +183,7 @@ template <int kD, class T, class Ctx>
 MB_TC_FN void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, const T* src,
                               std::int64_t row_stride, std::int64_t first, std::int64_t rows,
                               std::int64_t d, bool vec) {
-  constexpr int kStride = TcGeometry<kD>::kStride;
+  constexpr int kStride = kD + kSkew;
   if (vec) {
     constexpr int kPieces = kD / 8;
     for (int idx = ctx.thread(); idx < tile_rows * kPieces; idx += kTcThreads) {
@@ -239,129 +250,156 @@ MB_TC_FN inline void store_row(T* row, const TcAcc (&acc)[kTiles], int h, int t,
 
 // ---- forward -----------------------------------------------------------------------------------
 
-/// out and lse (kernels/attention.h) for the 64 queries of block `block` (Note [Tensor-core
-/// attention]). `smem` holds TcGeometry<kD>::kSharedHalves halves, 16-byte aligned.
-template <class T, int kD, class Ctx>
+/// out and lse (kernels/attention.h) for the kBlockRows queries of block `block` (Note
+/// [Tensor-core attention]). `smem` holds TcGeometry<kD, kM>::kSharedHalves halves, 16-byte
+/// aligned (the same in the other two kernels).
+template <class T, int kD, int kM, class Ctx>
 MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* lse,
-                                     std::int64_t block, std::uint16_t* smem) {
-  using G = TcGeometry<kD>;
-  constexpr int P = G::kStride;
-  std::uint16_t* q_s = smem;                   // (64, kD) queries
-  std::uint16_t* k_s = q_s + kBlockRows * P;   // (kCols, kD) keys
-  std::uint16_t* v_s = k_s + G::kCols * P;     // (kCols, kD) values
+                               std::int64_t block, std::uint16_t* smem) {
+  using G = TcGeometry<kD, kM>;
+  constexpr int P = G::kStride, M = kM;
+  std::uint16_t* q_s = smem;                      // (kBlockRows, kD) queries
+  std::uint16_t* k_s = q_s + G::kBlockRows * P;   // (kCols, kD) keys
+  std::uint16_t* v_s = k_s + G::kCols * P;        // (kCols, kD) values
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t i0 = tile_of(block, p.tiles) * kBlockRows;
-  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const std::int64_t i0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);
   const T* v = p.v + head_offset(p.vs, bh);
-  load_tile<kD>(ctx, q_s, kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d, p.vec_q);
+  load_tile<kD>(ctx, q_s, G::kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
+                p.vec_q);
   ctx.sync();
-  TcA qf[G::kDChunks];
+  TcA qf[M][G::kDChunks];
   MB_TC_UNROLL
-  for (int kc = 0; kc < G::kDChunks; ++kc) qf[kc] = load_a(q_s, P, r0, kc * 16, lane);
+  for (int mi = 0; mi < M; ++mi) {
+    MB_TC_UNROLL
+    for (int kc = 0; kc < G::kDChunks; ++kc) qf[mi][kc] = load_a(q_s, P, r0 + 16 * mi, kc * 16, lane);
+  }
 
   const float scale2 = p.scale * kLog2e;
-  float m[2] = {kTcNegInf, kTcNegInf}, l[2] = {0.0f, 0.0f};  // rows g and g + 8, base 2
-  TcAcc o[G::kDTiles];
+  float m[M][2], l[M][2];  // rows g and g + 8 of each row tile, base 2
+  MB_TC_UNROLL
+  for (int mi = 0; mi < M; ++mi) {
+    m[mi][0] = m[mi][1] = kTcNegInf;
+    l[mi][0] = l[mi][1] = 0.0f;
+  }
+  TcAcc o[M][G::kDTiles];
   // Causal: no query of this block sees a key past its last query.
-  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + kBlockRows) : p.s;
+  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + G::kBlockRows) : p.s;
   for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
     ctx.sync();  // every warp is done with the previous tile
     load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
     load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
     ctx.sync();
 
-    TcAcc sc[G::kColTiles];
+    TcAcc sc[M][G::kColTiles];
     MB_TC_UNROLL
     for (int nt = 0; nt < G::kColTiles; ++nt) {
       MB_TC_UNROLL
-      for (int kc = 0; kc < G::kDChunks; ++kc)
-        ctx.template mma<T>(sc[nt], qf[kc], load_b_rows(k_s, P, nt * 8, kc * 16, lane));
+      for (int kc = 0; kc < G::kDChunks; ++kc) {
+        const TcB b = load_b_rows(k_s, P, nt * 8, kc * 16, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(sc[mi][nt], qf[mi][kc], b);
+      }
     }
     MB_TC_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      const std::int64_t i = i0 + r0 + g + 8 * h;
-      float mx = kTcNegInf;
+    for (int mi = 0; mi < M; ++mi) {
       MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; ++nt) {
+      for (int h = 0; h < 2; ++h) {
+        const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
+        float mx = kTcNegInf;
         MB_TC_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          float& x = sc[nt].x[2 * h + e];
-          x = tc_visible(p, i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
-          mx = tc_max(mx, x);
+        for (int nt = 0; nt < G::kColTiles; ++nt) {
+          MB_TC_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            float& x = sc[mi][nt].x[2 * h + e];
+            x = tc_visible(p, i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
+            mx = tc_max(mx, x);
+          }
         }
-      }
-      const float m_new = tc_max(m[h], quad_max(ctx, mx));
-      // m_new stays -inf while every key so far is masked: nothing to add, nothing to rescale.
-      const bool none = m_new == kTcNegInf;
-      const float correction = none ? 1.0f : exp2f(m[h] - m_new);  // 0 on the first visible key
-      float sum = 0.0f;
-      MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        const float m_new = tc_max(m[mi][h], quad_max(ctx, mx));
+        // m_new stays -inf while every key so far is masked: nothing to add, nothing to rescale.
+        const bool none = m_new == kTcNegInf;
+        const float correction = none ? 1.0f : exp2f(m[mi][h] - m_new);  // 0 on the first key
+        float sum = 0.0f;
         MB_TC_UNROLL
-        for (int e = 0; e < 2; ++e) {
-          float& x = sc[nt].x[2 * h + e];
-          x = none ? 0.0f : exp2f(x - m_new);
-          sum += x;
+        for (int nt = 0; nt < G::kColTiles; ++nt) {
+          MB_TC_UNROLL
+          for (int e = 0; e < 2; ++e) {
+            float& x = sc[mi][nt].x[2 * h + e];
+            x = none ? 0.0f : exp2f(x - m_new);
+            sum += x;
+          }
         }
-      }
-      l[h] = l[h] * correction + sum;  // this lane's columns; the quad's are summed at the end
-      m[h] = m_new;
-      MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd) {
-        o[nd].x[2 * h] *= correction;
-        o[nd].x[2 * h + 1] *= correction;
+        l[mi][h] = l[mi][h] * correction + sum;  // this lane's columns; the quad's summed at the end
+        m[mi][h] = m_new;
+        MB_TC_UNROLL
+        for (int nd = 0; nd < G::kDTiles; ++nd) {
+          o[mi][nd].x[2 * h] *= correction;
+          o[mi][nd].x[2 * h + 1] *= correction;
+        }
       }
     }
     MB_TC_UNROLL
     for (int kc = 0; kc < G::kColChunks; ++kc) {
-      const TcA pa = to_a<T>(sc[2 * kc], sc[2 * kc + 1]);
+      TcA pa[M];
       MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd)
-        ctx.template mma<T>(o[nd], pa, load_b_cols(v_s, P, kc * 16, nd * 8, lane));
+      for (int mi = 0; mi < M; ++mi) pa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd) {
+        const TcB b = load_b_cols(v_s, P, kc * 16, nd * 8, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(o[mi][nd], pa[mi], b);
+      }
     }
   }
 
   MB_TC_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const float total = quad_sum(ctx, l[h]);
-    const std::int64_t i = i0 + r0 + g + 8 * h;
-    if (i >= p.t) continue;
-    // total > 0 whenever the query sees a key, which key 0 always is; guard all the same.
-    store_row(out + (bh * p.t + i) * p.d, o, h, t, p.d, total > 0.0f ? 1.0f / total : 0.0f);
-    if (t == 0) lse[bh * p.t + i] = total > 0.0f ? (m[h] + log2f(total)) * kLn2 : kTcNegInf;
+  for (int mi = 0; mi < M; ++mi) {
+    MB_TC_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float total = quad_sum(ctx, l[mi][h]);
+      const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
+      if (i >= p.t) continue;
+      // total > 0 whenever the query sees a key, which key 0 always is; guard all the same.
+      store_row(out + (bh * p.t + i) * p.d, o[mi], h, t, p.d, total > 0.0f ? 1.0f / total : 0.0f);
+      if (t == 0) lse[bh * p.t + i] = total > 0.0f ? (m[mi][h] + log2f(total)) * kLn2 : kTcNegInf;
+    }
   }
 }
 
 // ---- backward ----------------------------------------------------------------------------------
 
-/// dk and dv for the 64 keys of block `block`: walks the query tiles that see them, recomputing
-/// S^T = k q^T and dP^T = v dout^T, then P^T = exp(S^T - lse), dS^T = P^T * (dP^T - delta),
-/// dv += P^T dout, dk += dS^T q; dk is scaled once at the end. Overwrites dk and dv.
-template <class T, int kD, class Ctx>
+/// dk and dv for the kBlockRows keys of block `block`: walks the query tiles that see them,
+/// recomputing S^T = k q^T and dP^T = v dout^T, then P^T = exp(S^T - lse),
+/// dS^T = P^T * (dP^T - delta), dv += P^T dout, dk += dS^T q; dk is scaled once at the end.
+/// Overwrites dk and dv.
+template <class T, int kD, int kM, class Ctx>
 MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
-                                  const float* delta, T* dk, T* dv, std::int64_t block,
-                                  std::uint16_t* smem) {
-  using G = TcGeometry<kD>;
-  constexpr int P = G::kStride;
-  std::uint16_t* k_s = smem;                    // (64, kD) keys
-  std::uint16_t* v_s = k_s + kBlockRows * P;    // (64, kD) values
-  std::uint16_t* q_s = v_s + kBlockRows * P;    // (kCols, kD) queries
-  std::uint16_t* do_s = q_s + G::kCols * P;     // (kCols, kD) output gradients
+                            const float* delta, T* dk, T* dv, std::int64_t block,
+                            std::uint16_t* smem) {
+  using G = TcGeometry<kD, kM>;
+  constexpr int P = G::kStride, M = kM;
+  std::uint16_t* k_s = smem;                      // (kBlockRows, kD) keys
+  std::uint16_t* v_s = k_s + G::kBlockRows * P;   // (kBlockRows, kD) values
+  std::uint16_t* q_s = v_s + G::kBlockRows * P;   // (kCols, kD) queries
+  std::uint16_t* do_s = q_s + G::kCols * P;       // (kCols, kD) output gradients
   float* lse_s = reinterpret_cast<float*>(do_s + G::kCols * P);  // (kCols) lse * log2(e)
   float* delta_s = lse_s + G::kCols;                              // (kCols)
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t j0 = tile_of(block, p.tiles) * kBlockRows;
-  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const std::int64_t j0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* q = p.q + head_offset(p.qs, bh);
   const T* dout = p.dout + head_offset(p.dos, bh);
-  load_tile<kD>(ctx, k_s, kBlockRows, p.k + head_offset(p.ks, bh), p.ks.row, j0, p.s, p.d, p.vec_k);
-  load_tile<kD>(ctx, v_s, kBlockRows, p.v + head_offset(p.vs, bh), p.vs.row, j0, p.s, p.d, p.vec_v);
+  load_tile<kD>(ctx, k_s, G::kBlockRows, p.k + head_offset(p.ks, bh), p.ks.row, j0, p.s, p.d,
+                p.vec_k);
+  load_tile<kD>(ctx, v_s, G::kBlockRows, p.v + head_offset(p.vs, bh), p.vs.row, j0, p.s, p.d,
+                p.vec_v);
 
   const float scale2 = p.scale * kLog2e;
-  TcAcc dk_acc[G::kDTiles], dv_acc[G::kDTiles];
+  TcAcc dk_acc[M][G::kDTiles], dv_acc[M][G::kDTiles];
   // Causal: queries before the block's first key see none of its keys.
   const std::int64_t first = p.causal ? (j0 / G::kCols) * G::kCols : 0;
   for (std::int64_t i0 = first; i0 < p.t; i0 += G::kCols) {
@@ -375,125 +413,173 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
     }
     ctx.sync();  // the tiles (and, on the first pass, k_s and v_s) are in place
 
-    TcAcc st[G::kColTiles], dpt[G::kColTiles];  // S^T and dP^T: rows keys, columns queries
+    TcAcc st[M][G::kColTiles], dpt[M][G::kColTiles];  // S^T and dP^T: rows keys, columns queries
     MB_TC_UNROLL
     for (int kc = 0; kc < G::kDChunks; ++kc) {
-      const TcA ka = load_a(k_s, P, r0, kc * 16, lane);
-      const TcA va = load_a(v_s, P, r0, kc * 16, lane);
+      TcA ka[M], va[M];
+      MB_TC_UNROLL
+      for (int mi = 0; mi < M; ++mi) {
+        ka[mi] = load_a(k_s, P, r0 + 16 * mi, kc * 16, lane);
+        va[mi] = load_a(v_s, P, r0 + 16 * mi, kc * 16, lane);
+      }
       MB_TC_UNROLL
       for (int nt = 0; nt < G::kColTiles; ++nt) {
-        ctx.template mma<T>(st[nt], ka, load_b_rows(q_s, P, nt * 8, kc * 16, lane));
-        ctx.template mma<T>(dpt[nt], va, load_b_rows(do_s, P, nt * 8, kc * 16, lane));
+        const TcB bq = load_b_rows(q_s, P, nt * 8, kc * 16, lane);
+        const TcB bo = load_b_rows(do_s, P, nt * 8, kc * 16, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(st[mi][nt], ka[mi], bq);
+          ctx.template mma<T>(dpt[mi][nt], va[mi], bo);
+        }
       }
     }
     MB_TC_UNROLL
-    for (int nt = 0; nt < G::kColTiles; ++nt) {
+    for (int mi = 0; mi < M; ++mi) {
       MB_TC_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + (e & 1);
-        const std::int64_t j = j0 + r0 + g + 8 * (e >> 1);
-        const bool seen = tc_visible(p, i0 + c, j);
-        const float pr = seen ? exp2f(st[nt].x[e] * scale2 - lse_s[c]) : 0.0f;
-        dpt[nt].x[e] = seen ? pr * (dpt[nt].x[e] - delta_s[c]) : 0.0f;
-        st[nt].x[e] = pr;
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        MB_TC_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * t + (e & 1);
+          const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * (e >> 1);
+          const bool seen = tc_visible(p, i0 + c, j);
+          const float pr = seen ? exp2f(st[mi][nt].x[e] * scale2 - lse_s[c]) : 0.0f;
+          dpt[mi][nt].x[e] = seen ? pr * (dpt[mi][nt].x[e] - delta_s[c]) : 0.0f;
+          st[mi][nt].x[e] = pr;
+        }
       }
     }
     MB_TC_UNROLL
     for (int kc = 0; kc < G::kColChunks; ++kc) {
-      const TcA pa = to_a<T>(st[2 * kc], st[2 * kc + 1]);
-      const TcA dsa = to_a<T>(dpt[2 * kc], dpt[2 * kc + 1]);
+      TcA pa[M], dsa[M];
+      MB_TC_UNROLL
+      for (int mi = 0; mi < M; ++mi) {
+        pa[mi] = to_a<T>(st[mi][2 * kc], st[mi][2 * kc + 1]);
+        dsa[mi] = to_a<T>(dpt[mi][2 * kc], dpt[mi][2 * kc + 1]);
+      }
       MB_TC_UNROLL
       for (int nd = 0; nd < G::kDTiles; ++nd) {
-        ctx.template mma<T>(dv_acc[nd], pa, load_b_cols(do_s, P, kc * 16, nd * 8, lane));
-        ctx.template mma<T>(dk_acc[nd], dsa, load_b_cols(q_s, P, kc * 16, nd * 8, lane));
+        const TcB bo = load_b_cols(do_s, P, kc * 16, nd * 8, lane);
+        const TcB bq = load_b_cols(q_s, P, kc * 16, nd * 8, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(dv_acc[mi][nd], pa[mi], bo);
+          ctx.template mma<T>(dk_acc[mi][nd], dsa[mi], bq);
+        }
       }
     }
   }
 
   MB_TC_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const std::int64_t j = j0 + r0 + g + 8 * h;
-    if (j >= p.s) continue;
-    store_row(dk + (bh * p.s + j) * p.d, dk_acc, h, t, p.d, p.scale);
-    store_row(dv + (bh * p.s + j) * p.d, dv_acc, h, t, p.d, 1.0f);
+  for (int mi = 0; mi < M; ++mi) {
+    MB_TC_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * h;
+      if (j >= p.s) continue;
+      store_row(dk + (bh * p.s + j) * p.d, dk_acc[mi], h, t, p.d, p.scale);
+      store_row(dv + (bh * p.s + j) * p.d, dv_acc[mi], h, t, p.d, 1.0f);
+    }
   }
 }
 
-/// dq for the 64 queries of block `block`: walks the key tiles they see, recomputing S = q k^T and
-/// dP = dout v^T, then dS = exp(S - lse) * (dP - delta), dq += dS k, scaled once at the end.
-/// Overwrites dq.
-template <class T, int kD, class Ctx>
-MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
-                                const float* delta, T* dq, std::int64_t block,
-                                std::uint16_t* smem) {
-  using G = TcGeometry<kD>;
-  constexpr int P = G::kStride;
-  std::uint16_t* q_s = smem;                   // (64, kD) queries
-  std::uint16_t* do_s = q_s + kBlockRows * P;  // (64, kD) output gradients
-  std::uint16_t* k_s = do_s + kBlockRows * P;  // (kCols, kD) keys
-  std::uint16_t* v_s = k_s + G::kCols * P;     // (kCols, kD) values
+/// dq for the kBlockRows queries of block `block`: walks the key tiles they see, recomputing
+/// S = q k^T and dP = dout v^T, then dS = exp(S - lse) * (dP - delta), dq += dS k, scaled once at
+/// the end. Overwrites dq.
+template <class T, int kD, int kM, class Ctx>
+MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, const float* delta,
+                          T* dq, std::int64_t block, std::uint16_t* smem) {
+  using G = TcGeometry<kD, kM>;
+  constexpr int P = G::kStride, M = kM;
+  std::uint16_t* q_s = smem;                      // (kBlockRows, kD) queries
+  std::uint16_t* do_s = q_s + G::kBlockRows * P;  // (kBlockRows, kD) output gradients
+  std::uint16_t* k_s = do_s + G::kBlockRows * P;  // (kCols, kD) keys
+  std::uint16_t* v_s = k_s + G::kCols * P;        // (kCols, kD) values
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t i0 = tile_of(block, p.tiles) * kBlockRows;
-  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * kWarpRows;
+  const std::int64_t i0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);
   const T* v = p.v + head_offset(p.vs, bh);
-  load_tile<kD>(ctx, q_s, kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d, p.vec_q);
-  load_tile<kD>(ctx, do_s, kBlockRows, p.dout + head_offset(p.dos, bh), p.dos.row, i0, p.t, p.d,
-                p.vec_dout);
-  float lse2[2], delta_r[2];  // rows g and g + 8
+  load_tile<kD>(ctx, q_s, G::kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
+                p.vec_q);
+  load_tile<kD>(ctx, do_s, G::kBlockRows, p.dout + head_offset(p.dos, bh), p.dos.row, i0, p.t,
+                p.d, p.vec_dout);
+  float lse2[M][2], delta_r[M][2];  // rows g and g + 8 of each row tile
   MB_TC_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const std::int64_t i = i0 + r0 + g + 8 * h;
-    lse2[h] = i < p.t ? lse[bh * p.t + i] * kLog2e : 0.0f;
-    delta_r[h] = i < p.t ? delta[bh * p.t + i] : 0.0f;
+  for (int mi = 0; mi < M; ++mi) {
+    MB_TC_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
+      lse2[mi][h] = i < p.t ? lse[bh * p.t + i] * kLog2e : 0.0f;
+      delta_r[mi][h] = i < p.t ? delta[bh * p.t + i] : 0.0f;
+    }
   }
 
   const float scale2 = p.scale * kLog2e;
-  TcAcc dq_acc[G::kDTiles];
-  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + kBlockRows) : p.s;
+  TcAcc dq_acc[M][G::kDTiles];
+  const std::int64_t key_end = p.causal ? std::min(p.s, i0 + G::kBlockRows) : p.s;
   for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
     ctx.sync();  // every warp is done with the previous tile
     load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
     load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
     ctx.sync();  // the tiles (and, on the first pass, q_s and do_s) are in place
 
-    TcAcc sc[G::kColTiles], dp[G::kColTiles];
+    TcAcc sc[M][G::kColTiles], dp[M][G::kColTiles];
     MB_TC_UNROLL
     for (int kc = 0; kc < G::kDChunks; ++kc) {
-      const TcA qa = load_a(q_s, P, r0, kc * 16, lane);
-      const TcA oa = load_a(do_s, P, r0, kc * 16, lane);
+      TcA qa[M], oa[M];
+      MB_TC_UNROLL
+      for (int mi = 0; mi < M; ++mi) {
+        qa[mi] = load_a(q_s, P, r0 + 16 * mi, kc * 16, lane);
+        oa[mi] = load_a(do_s, P, r0 + 16 * mi, kc * 16, lane);
+      }
       MB_TC_UNROLL
       for (int nt = 0; nt < G::kColTiles; ++nt) {
-        ctx.template mma<T>(sc[nt], qa, load_b_rows(k_s, P, nt * 8, kc * 16, lane));
-        ctx.template mma<T>(dp[nt], oa, load_b_rows(v_s, P, nt * 8, kc * 16, lane));
+        const TcB bk = load_b_rows(k_s, P, nt * 8, kc * 16, lane);
+        const TcB bv = load_b_rows(v_s, P, nt * 8, kc * 16, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(sc[mi][nt], qa[mi], bk);
+          ctx.template mma<T>(dp[mi][nt], oa[mi], bv);
+        }
       }
     }
     MB_TC_UNROLL
-    for (int nt = 0; nt < G::kColTiles; ++nt) {
+    for (int mi = 0; mi < M; ++mi) {
       MB_TC_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1;
-        const std::int64_t i = i0 + r0 + g + 8 * h;
-        const bool seen = tc_visible(p, i, j0 + nt * 8 + 2 * t + (e & 1));
-        sc[nt].x[e] =
-            seen ? exp2f(sc[nt].x[e] * scale2 - lse2[h]) * (dp[nt].x[e] - delta_r[h]) : 0.0f;
+      for (int nt = 0; nt < G::kColTiles; ++nt) {
+        MB_TC_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1;
+          const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
+          const bool seen = tc_visible(p, i, j0 + nt * 8 + 2 * t + (e & 1));
+          sc[mi][nt].x[e] = seen ? exp2f(sc[mi][nt].x[e] * scale2 - lse2[mi][h]) *
+                                       (dp[mi][nt].x[e] - delta_r[mi][h])
+                                 : 0.0f;
+        }
       }
     }
     MB_TC_UNROLL
     for (int kc = 0; kc < G::kColChunks; ++kc) {
-      const TcA dsa = to_a<T>(sc[2 * kc], sc[2 * kc + 1]);
+      TcA dsa[M];
       MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd)
-        ctx.template mma<T>(dq_acc[nd], dsa, load_b_cols(k_s, P, kc * 16, nd * 8, lane));
+      for (int mi = 0; mi < M; ++mi) dsa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
+      MB_TC_UNROLL
+      for (int nd = 0; nd < G::kDTiles; ++nd) {
+        const TcB b = load_b_cols(k_s, P, kc * 16, nd * 8, lane);
+        MB_TC_UNROLL
+        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(dq_acc[mi][nd], dsa[mi], b);
+      }
     }
   }
 
   MB_TC_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    const std::int64_t i = i0 + r0 + g + 8 * h;
-    if (i >= p.t) continue;
-    store_row(dq + (bh * p.t + i) * p.d, dq_acc, h, t, p.d, p.scale);
+  for (int mi = 0; mi < M; ++mi) {
+    MB_TC_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
+      if (i >= p.t) continue;
+      store_row(dq + (bh * p.t + i) * p.d, dq_acc[mi], h, t, p.d, p.scale);
+    }
   }
 }
 

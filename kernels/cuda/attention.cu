@@ -394,25 +394,28 @@ struct DeviceContext {
 template <class T, int kD>
 __global__ void __launch_bounds__(tc::kTcThreads)
     tc_forward_kernel(tc::TcOperands<T> p, T* out, float* lse) {
-  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  constexpr int kM = tc::kForwardTiles<kD>;
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD, kM>::kSharedHalves];
   DeviceContext ctx;
-  tc::tc_forward_block<T, kD>(ctx, p, out, lse, blockIdx.x, smem);
+  tc::tc_forward_block<T, kD, kM>(ctx, p, out, lse, blockIdx.x, smem);
 }
 
 template <class T, int kD>
 __global__ void __launch_bounds__(tc::kTcThreads)
     tc_dkdv_kernel(tc::TcOperands<T> p, const float* lse, const float* delta, T* dk, T* dv) {
-  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  constexpr int kM = tc::kBackwardTiles;
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD, kM>::kSharedHalves];
   DeviceContext ctx;
-  tc::tc_dkdv_block<T, kD>(ctx, p, lse, delta, dk, dv, blockIdx.x, smem);
+  tc::tc_dkdv_block<T, kD, kM>(ctx, p, lse, delta, dk, dv, blockIdx.x, smem);
 }
 
 template <class T, int kD>
 __global__ void __launch_bounds__(tc::kTcThreads)
     tc_dq_kernel(tc::TcOperands<T> p, const float* lse, const float* delta, T* dq) {
-  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD>::kSharedHalves];
+  constexpr int kM = tc::kBackwardTiles;
+  __shared__ __align__(16) std::uint16_t smem[tc::TcGeometry<kD, kM>::kSharedHalves];
   DeviceContext ctx;
-  tc::tc_dq_block<T, kD>(ctx, p, lse, delta, dq, blockIdx.x, smem);
+  tc::tc_dq_block<T, kD, kM>(ctx, p, lse, delta, dq, blockIdx.x, smem);
 }
 
 // ---- launch helpers ----------------------------------------------------------------------------
@@ -491,7 +494,7 @@ bool vector_rows(const StridedView& x, std::int64_t d, int kd) {
 template <class T>
 tc::TcOperands<T> tc_operands(const StridedView& q, const StridedView& k, const StridedView& v,
                               const StridedView* dout, AttentionArgs args, int kd,
-                              std::int64_t rows) {
+                              std::int64_t rows, int block_rows) {
   const int n = q.ndim;
   const std::int64_t d = q.shape[n - 1];
   return {.q = q.ptr<T>(),
@@ -511,7 +514,7 @@ tc::TcOperands<T> tc_operands(const StridedView& q, const StridedView& k, const 
           .vec_k = vector_rows(k, d, kd),
           .vec_v = vector_rows(v, d, kd),
           .vec_dout = dout != nullptr && vector_rows(*dout, d, kd),
-          .tiles = ceil_div(rows, tc::kBlockRows)};
+          .tiles = ceil_div(rows, block_rows)};
 }
 
 template <class F>
@@ -573,7 +576,8 @@ void attention_forward(const StridedView& q, const StridedView& k, const Strided
     with_head_dim(p.d, [&]<int kMaxD>() {
       if constexpr (!std::is_same_v<T, float>) {
         if (use_tensor_cores()) {
-          const tc::TcOperands<T> tp = tc_operands<T>(q, k, v, nullptr, args, kMaxD, p.t);
+          constexpr int kRows = tc::TcGeometry<kMaxD, tc::kForwardTiles<kMaxD>>::kBlockRows;
+          const tc::TcOperands<T> tp = tc_operands<T>(q, k, v, nullptr, args, kMaxD, p.t, kRows);
           tc_forward_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, tp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   tp, out.ptr<T>(), lse.ptr<float>());
@@ -619,12 +623,15 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
     with_head_dim(p.d, [&]<int kMaxD>() {
       if constexpr (!std::is_same_v<T, float>) {
         if (use_tensor_cores()) {
-          const tc::TcOperands<T> kp = tc_operands<T>(q, k, v, &dout, args, kMaxD, p.s);
+          constexpr int kBackwardRows = tc::TcGeometry<kMaxD, tc::kBackwardTiles>::kBlockRows;
+          const tc::TcOperands<T> kp =
+              tc_operands<T>(q, k, v, &dout, args, kMaxD, p.s, kBackwardRows);
           tc_dkdv_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, kp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   kp, lse.ptr<float>(), delta.ptr<float>(), dk.ptr<T>(), dv.ptr<T>());
           MB_CUDA_CHECK_LAUNCH("tc_dkdv_kernel");
-          const tc::TcOperands<T> qp = tc_operands<T>(q, k, v, &dout, args, kMaxD, p.t);
+          const tc::TcOperands<T> qp =
+              tc_operands<T>(q, k, v, &dout, args, kMaxD, p.t, kBackwardRows);
           tc_dq_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, qp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   qp, lse.ptr<float>(), delta.ptr<float>(), dq.ptr<T>());

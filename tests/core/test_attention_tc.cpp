@@ -100,10 +100,10 @@ class EmulatedThread {
 };
 
 // Runs body(ctx, block, smem) for every block of the grid, 128 threads at a time.
-template <int kD, class Body>
+template <int kD, int kM, class Body>
 void run_grid(std::int64_t blocks, Body body) {
   for (std::int64_t blk = 0; blk < blocks; ++blk) {
-    EmulatedBlock shared(tc::TcGeometry<kD>::kSharedHalves);
+    EmulatedBlock shared(tc::TcGeometry<kD, kM>::kSharedHalves);
     std::vector<std::thread> threads;
     for (int i = 0; i < tc::kTcThreads; ++i) {
       threads.emplace_back([&, i] {
@@ -172,7 +172,8 @@ void check_against(const char* what, const std::vector<T>& got, const std::vecto
   CHECK(worst <= tol);
 }
 
-template <class T, int kD>
+// Runs the three bodies with kM row tiles per warp on case c and checks them against f64.
+template <class T, int kD, int kM>
 void check_case(const Case& c, double tol) {
   CAPTURE(c.b);
   CAPTURE(c.h);
@@ -181,12 +182,14 @@ void check_case(const Case& c, double tol) {
   CAPTURE(c.d);
   CAPTURE(c.causal);
   CAPTURE(c.heads_inner);
+  CAPTURE(kM);
   const Layout ql{c.b, c.h, c.t, c.d, c.heads_inner}, kl{c.b, c.h, c.s, c.d, c.heads_inner};
   const std::vector<T> q = random_values<T>(ql.size(), 1, -2.0f, 2.0f);
   const std::vector<T> k = random_values<T>(kl.size(), 2, -2.0f, 2.0f);
   const std::vector<T> v = random_values<T>(kl.size(), 3, -1.0f, 1.0f);
   const std::vector<T> dout = random_values<T>(ql.size(), 4, -1.0f, 1.0f);  // laid out as q
   const std::int64_t heads = c.b * c.h;
+  constexpr std::int64_t kRows = tc::TcGeometry<kD, kM>::kBlockRows;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   auto vec = [&](const Layout& l) { return l.d == kD && l.strides().row % 8 == 0; };
 
@@ -207,13 +210,13 @@ void check_case(const Case& c, double tol) {
                       .vec_k = vec(kl),
                       .vec_v = vec(kl),
                       .vec_dout = vec(ql),
-                      .tiles = (c.t + tc::kBlockRows - 1) / tc::kBlockRows};
+                      .tiles = (c.t + kRows - 1) / kRows};
 
   // Forward: out and lse, contiguous (B * H, T, D) and (B * H, T).
   std::vector<T> out(heads * c.t * c.d, T(-7.0f));
   std::vector<float> lse(heads * c.t, -7.0f);
-  run_grid<kD>(heads * p.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
-    tc::tc_forward_block<T, kD>(ctx, p, out.data(), lse.data(), blk, smem);
+  run_grid<kD, kM>(heads * p.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
+    tc::tc_forward_block<T, kD, kM>(ctx, p, out.data(), lse.data(), blk, smem);
   });
 
   // The reference, in f64 from the same 16-bit values.
@@ -282,12 +285,12 @@ void check_case(const Case& c, double tol) {
   }
   std::vector<T> dq(out.size(), T(-7.0f)), dk(dk_ref.size(), T(-7.0f)), dv(dv_ref.size(), T(-7.0f));
   tc::TcOperands<T> kp = p;
-  kp.tiles = (c.s + tc::kBlockRows - 1) / tc::kBlockRows;
-  run_grid<kD>(heads * kp.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
-    tc::tc_dkdv_block<T, kD>(ctx, kp, lse.data(), delta.data(), dk.data(), dv.data(), blk, smem);
+  kp.tiles = (c.s + kRows - 1) / kRows;
+  run_grid<kD, kM>(heads * kp.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
+    tc::tc_dkdv_block<T, kD, kM>(ctx, kp, lse.data(), delta.data(), dk.data(), dv.data(), blk, smem);
   });
-  run_grid<kD>(heads * p.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
-    tc::tc_dq_block<T, kD>(ctx, p, lse.data(), delta.data(), dq.data(), blk, smem);
+  run_grid<kD, kM>(heads * p.tiles, [&](EmulatedThread& ctx, std::int64_t blk, std::uint16_t* smem) {
+    tc::tc_dq_block<T, kD, kM>(ctx, p, lse.data(), delta.data(), dq.data(), blk, smem);
   });
   check_against("dv", dv, dv_ref, tol);
   check_against("dk", dk, dk_ref, tol);
@@ -302,21 +305,24 @@ constexpr double kTolBf16 = 1e-2;
 }  // namespace
 
 TEST_CASE("tensor-core attention, emulated on the CPU: tiles, masks and layouts at D = 64") {
-  for (const Case& c : {Case{1, 2, 80, 80, 64, true},        // a full and a partial tile
+  for (const Case& c : {Case{1, 1, 200, 200, 64, true},      // full and partial block tiles
                         Case{1, 2, 80, 80, 64, false},
                         Case{2, 1, 20, 70, 64, true},        // T < S
                         Case{1, 1, 70, 20, 64, true},        // T > S: queries past S
                         Case{1, 2, 1, 33, 64, false},        // T = 1
                         Case{2, 3, 65, 65, 64, true, true},  // (B, T, H, D) read as (B, H, T, D)
                         Case{1, 1, 40, 40, 40, true}}) {     // D padded to 64, scalar loads
-    check_case<bf16, 64>(c, kTolBf16);
+    check_case<bf16, 64, 1>(c, kTolBf16);
+    check_case<bf16, 64, 2>(c, kTolBf16);
   }
-  check_case<f16, 64>(Case{1, 2, 80, 80, 64, true}, kTolF16);
+  check_case<f16, 64, 1>(Case{1, 2, 80, 80, 64, true}, kTolF16);
+  check_case<f16, 64, 2>(Case{1, 2, 80, 80, 64, true}, kTolF16);
 }
 
 TEST_CASE("tensor-core attention, emulated on the CPU: D = 128 and D = 32 geometries") {
-  check_case<bf16, 128>(Case{1, 1, 40, 40, 128, true}, kTolBf16);
-  check_case<f16, 128>(Case{1, 1, 33, 20, 100, false}, kTolF16);
-  check_case<bf16, 32>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
-  check_case<f16, 32>(Case{2, 1, 9, 9, 1, true}, kTolF16);  // D = 1
+  check_case<bf16, 128, 1>(Case{1, 1, 40, 40, 128, true}, kTolBf16);
+  check_case<f16, 128, 1>(Case{1, 1, 33, 20, 100, false}, kTolF16);
+  check_case<bf16, 32, 1>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
+  check_case<bf16, 32, 2>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
+  check_case<f16, 32, 2>(Case{2, 1, 9, 9, 1, true}, kTolF16);  // D = 1
 }
