@@ -10,20 +10,21 @@
 //                                     f32 accumulation)
 // Every call is made by all threads of the block (or all lanes of the warp) together.
 //
-// Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward and
-// dq kernels, keys in the dk/dv kernel), each warp kM tiles of 16 (kForwardTiles, kBackwardTiles),
-// and walks the other side in tiles of kCols rows; every B fragment a warp loads
-// from shared memory feeds its kM MMAs. q, k, v and dout tiles sit in shared memory as 16-bit rows
-// of kD (32, 64 or 128; zero padded past D) plus 8 halves of skew, so that the fragment loads of
-// the 32 lanes hit 32 banks. Products are m16n8k16 MMAs with f32 accumulators. A score tile S
-// (16 x kCols per row tile) lives in
-// registers in the accumulator layout; the lane holding S[r][c] also holds, after rounding to 16
-// bits, P[r][c] in the A-operand layout of the next MMA (the two layouts coincide, Note [MMA
-// fragments]), so P and dS never go through shared memory. Per row the forward keeps a running max
-// and sum (online softmax, base-2 exponentials with log2(e) folded into the scale) and stores out
-// and the natural-log lse; the backward recomputes P = exp(S - lse) per tile. The dk/dv kernel
-// owns keys and the dq kernel owns queries, so every output element is written once, by one lane,
-// after sums in a fixed order: no atomics, the same bits on every run.
+// Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward
+// and dq kernels, keys in the dk/dv kernel), each warp kM tiles of 16 (kForwardTiles,
+// kBackwardTiles), and walks the other side in tiles of kCols rows; every B fragment a warp loads
+// from shared memory feeds its kM MMAs. The next walked tile is fetched into registers while the
+// current one is computed (TileRegs) and stored to shared memory after it. Tiles sit in shared
+// memory as 16-bit rows of kD (32, 64 or 128; zero padded past D) plus 8 halves of skew, so that
+// the fragment loads of the 32 lanes hit 32 banks. Products are m16n8k16 MMAs with f32
+// accumulators. A score tile S (16 x kCols per row tile) lives in registers in the accumulator
+// layout; the lane holding S[r][c] also holds, after rounding to 16 bits, P[r][c] in the A-operand
+// layout of the next MMA (the two layouts coincide, Note [MMA fragments]), so P and dS never go
+// through shared memory. Per row the forward keeps a running max and sum (online softmax, base-2
+// exponentials with log2(e) folded into the scale) and stores out and the natural-log lse; the
+// backward recomputes P = exp(S - lse) per tile. The dk/dv kernel owns keys and the dq kernel owns
+// queries, so every output element is written once, by one lane, after sums in a fixed order: no
+// atomics, the same bits on every run.
 //
 // Note [MMA fragments] (PTX ISA, mma.m16n8k16 with .f16/.bf16): with g = lane / 4, t = lane % 4,
 //   A (16 x 16, row-major): reg 0 = A[g][2t, 2t+1], reg 1 = A[g+8][2t, 2t+1],
@@ -169,41 +170,78 @@ MB_TC_FN inline TcA to_a(const TcAcc& lo, const TcAcc& hi) {
 
 // ---- tiles -------------------------------------------------------------------------------------
 
-MB_TC_FN inline void copy16(std::uint16_t* dst, const void* src) {
-#if defined(__CUDA_ARCH__)
-  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-#else
-  std::memcpy(dst, src, 16);
-#endif
-}
+/// Eight consecutive 16-bit elements of a row, as four words (element 2i in the low half of w[i]).
+struct TcPiece {
+  std::uint32_t w[4];
+};
 
-/// tile[r][c] = row first + r, element c of src, for r < tile_rows and c < kD; zero past `rows`
-/// or `d`. Consecutive threads take consecutive elements (or 8-element pieces when `vec`).
-template <int kD, class T, class Ctx>
-MB_TC_FN void load_tile(Ctx& ctx, std::uint16_t* tile, int tile_rows, const T* src,
-                              std::int64_t row_stride, std::int64_t first, std::int64_t rows,
-                              std::int64_t d, bool vec) {
-  constexpr int kStride = kD + kSkew;
-  if (vec) {
-    constexpr int kPieces = kD / 8;
-    for (int idx = ctx.thread(); idx < tile_rows * kPieces; idx += kTcThreads) {
-      const int r = idx / kPieces, c = (idx % kPieces) * 8;
-      const std::int64_t row = first + r;
-      std::uint16_t* out = tile + r * kStride + c;
-      if (row < rows) {
-        copy16(out, src + row * row_stride + c);
-      } else {
-        MB_TC_UNROLL
-        for (int e = 0; e < 8; ++e) out[e] = 0;
+/// One thread's share of a (kRows, kD) tile in registers: piece k covers row idx / (kD / 8),
+/// columns 8 * (idx % (kD / 8)) + 0..7, with idx = thread + k * kTcThreads. Tiles are fetched from
+/// global memory into these registers a tile ahead (fetch_tile), so that the loads are in flight
+/// while the current tile is computed, and stored to shared memory when it is done (store_tile).
+template <int kD, int kRows>
+struct TileRegs {
+  static constexpr int kPieces = kRows * (kD / 8) / kTcThreads;
+  static_assert(kPieces * kTcThreads == kRows * (kD / 8), "a tile splits evenly over the threads");
+  TcPiece piece[kPieces];
+};
+
+/// regs = rows first .. first + kRows - 1 of src, columns 0 .. kD - 1; zero past `rows` or `d`.
+/// `vec`: the rows are exactly kD long and 16-byte aligned, so a piece is one 16-byte load.
+template <int kD, int kRows, class T, class Ctx>
+MB_TC_FN void fetch_tile(Ctx& ctx, TileRegs<kD, kRows>& regs, const T* src,
+                         std::int64_t row_stride, std::int64_t first, std::int64_t rows,
+                         std::int64_t d, bool vec) {
+  constexpr int kPerRow = kD / 8;
+  MB_TC_UNROLL
+  for (int k = 0; k < TileRegs<kD, kRows>::kPieces; ++k) {
+    const int idx = ctx.thread() + k * kTcThreads;
+    const int c = (idx % kPerRow) * 8;
+    const std::int64_t row = first + idx / kPerRow;
+    TcPiece& out = regs.piece[k];
+    const T* in = src + row * row_stride + c;
+    if (vec && row < rows) {
+#if defined(__CUDA_ARCH__)
+      const uint4 u = *reinterpret_cast<const uint4*>(in);
+      out = {{u.x, u.y, u.z, u.w}};
+#else
+      std::memcpy(out.w, in, 16);
+#endif
+    } else {
+      MB_TC_UNROLL
+      for (int e = 0; e < 4; ++e) {
+        const std::uint16_t lo = row < rows && c + 2 * e < d ? in[2 * e].bits : 0;
+        const std::uint16_t hi = row < rows && c + 2 * e + 1 < d ? in[2 * e + 1].bits : 0;
+        out.w[e] = pack_pair(lo, hi);
       }
     }
-    return;
   }
-  for (int idx = ctx.thread(); idx < tile_rows * kD; idx += kTcThreads) {
-    const int r = idx / kD, c = idx % kD;
-    const std::int64_t row = first + r;
-    tile[r * kStride + c] = (row < rows && c < d) ? src[row * row_stride + c].bits : 0;
+}
+
+/// tile[r][c] (row stride kD + kSkew) = the fetched (kRows, kD) tile.
+template <int kD, int kRows, class Ctx>
+MB_TC_FN void store_tile(Ctx& ctx, std::uint16_t* tile, const TileRegs<kD, kRows>& regs) {
+  constexpr int kPerRow = kD / 8;
+  MB_TC_UNROLL
+  for (int k = 0; k < TileRegs<kD, kRows>::kPieces; ++k) {
+    const int idx = ctx.thread() + k * kTcThreads;
+    std::uint16_t* out = tile + (idx / kPerRow) * (kD + kSkew) + (idx % kPerRow) * 8;
+    const TcPiece& piece = regs.piece[k];
+#if defined(__CUDA_ARCH__)
+    *reinterpret_cast<uint4*>(out) = make_uint4(piece.w[0], piece.w[1], piece.w[2], piece.w[3]);
+#else
+    std::memcpy(out, piece.w, 16);
+#endif
   }
+}
+
+/// fetch_tile then store_tile: the block's own tiles, loaded once.
+template <int kD, int kRows, class T, class Ctx>
+MB_TC_FN void load_tile(Ctx& ctx, std::uint16_t* tile, const T* src, std::int64_t row_stride,
+                        std::int64_t first, std::int64_t rows, std::int64_t d, bool vec) {
+  TileRegs<kD, kRows> regs;
+  fetch_tile(ctx, regs, src, row_stride, first, rows, d, vec);
+  store_tile(ctx, tile, regs);
 }
 
 template <class T>
@@ -267,8 +305,8 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);
   const T* v = p.v + head_offset(p.vs, bh);
-  load_tile<kD>(ctx, q_s, G::kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
-                p.vec_q);
+  load_tile<kD, G::kBlockRows>(ctx, q_s, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
+                               p.vec_q);
   ctx.sync();
   TcA qf[M][G::kDChunks];
   MB_TC_UNROLL
@@ -287,11 +325,18 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
   TcAcc o[M][G::kDTiles];
   // Causal: no query of this block sees a key past its last query.
   const std::int64_t key_end = p.causal ? std::min(p.s, i0 + G::kBlockRows) : p.s;
+  TileRegs<kD, G::kCols> k_next, v_next;
+  fetch_tile(ctx, k_next, k, p.ks.row, 0, p.s, p.d, p.vec_k);
+  fetch_tile(ctx, v_next, v, p.vs.row, 0, p.s, p.d, p.vec_v);
   for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
     ctx.sync();  // every warp is done with the previous tile
-    load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
-    load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
+    store_tile(ctx, k_s, k_next);
+    store_tile(ctx, v_s, v_next);
     ctx.sync();
+    if (j0 + G::kCols < key_end) {  // the next tile's loads fly while this one is computed
+      fetch_tile(ctx, k_next, k, p.ks.row, j0 + G::kCols, p.s, p.d, p.vec_k);
+      fetch_tile(ctx, v_next, v, p.vs.row, j0 + G::kCols, p.s, p.d, p.vec_v);
+    }
 
     TcAcc sc[M][G::kColTiles];
     MB_TC_UNROLL
@@ -393,25 +438,41 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
   const int g = lane >> 2, t = lane & 3;
   const T* q = p.q + head_offset(p.qs, bh);
   const T* dout = p.dout + head_offset(p.dos, bh);
-  load_tile<kD>(ctx, k_s, G::kBlockRows, p.k + head_offset(p.ks, bh), p.ks.row, j0, p.s, p.d,
-                p.vec_k);
-  load_tile<kD>(ctx, v_s, G::kBlockRows, p.v + head_offset(p.vs, bh), p.vs.row, j0, p.s, p.d,
-                p.vec_v);
+  load_tile<kD, G::kBlockRows>(ctx, k_s, p.k + head_offset(p.ks, bh), p.ks.row, j0, p.s, p.d,
+                               p.vec_k);
+  load_tile<kD, G::kBlockRows>(ctx, v_s, p.v + head_offset(p.vs, bh), p.vs.row, j0, p.s, p.d,
+                               p.vec_v);
 
   const float scale2 = p.scale * kLog2e;
   TcAcc dk_acc[M][G::kDTiles], dv_acc[M][G::kDTiles];
   // Causal: queries before the block's first key see none of its keys.
   const std::int64_t first = p.causal ? (j0 / G::kCols) * G::kCols : 0;
+  // The next query tile, fetched while the current one is computed; thread c < kCols also holds
+  // query c's lse (base 2) and delta.
+  TileRegs<kD, G::kCols> q_next, do_next;
+  float lse_next = 0.0f, delta_next = 0.0f;
+  auto fetch = [&](std::int64_t i0) {
+    fetch_tile(ctx, q_next, q, p.qs.row, i0, p.t, p.d, p.vec_q);
+    fetch_tile(ctx, do_next, dout, p.dos.row, i0, p.t, p.d, p.vec_dout);
+    const std::int64_t i = i0 + ctx.thread();
+    if (ctx.thread() < G::kCols && i < p.t) {
+      lse_next = lse[bh * p.t + i] * kLog2e;
+      delta_next = delta[bh * p.t + i];
+    } else {
+      lse_next = delta_next = 0.0f;
+    }
+  };
+  if (first < p.t) fetch(first);
   for (std::int64_t i0 = first; i0 < p.t; i0 += G::kCols) {
     ctx.sync();  // every warp is done with the previous tile
-    load_tile<kD>(ctx, q_s, G::kCols, q, p.qs.row, i0, p.t, p.d, p.vec_q);
-    load_tile<kD>(ctx, do_s, G::kCols, dout, p.dos.row, i0, p.t, p.d, p.vec_dout);
-    for (int c = ctx.thread(); c < G::kCols; c += kTcThreads) {
-      const std::int64_t i = i0 + c;
-      lse_s[c] = i < p.t ? lse[bh * p.t + i] * kLog2e : 0.0f;
-      delta_s[c] = i < p.t ? delta[bh * p.t + i] : 0.0f;
+    store_tile(ctx, q_s, q_next);
+    store_tile(ctx, do_s, do_next);
+    if (ctx.thread() < G::kCols) {
+      lse_s[ctx.thread()] = lse_next;
+      delta_s[ctx.thread()] = delta_next;
     }
     ctx.sync();  // the tiles (and, on the first pass, k_s and v_s) are in place
+    if (i0 + G::kCols < p.t) fetch(i0 + G::kCols);
 
     TcAcc st[M][G::kColTiles], dpt[M][G::kColTiles];  // S^T and dP^T: rows keys, columns queries
     MB_TC_UNROLL
@@ -499,10 +560,10 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);
   const T* v = p.v + head_offset(p.vs, bh);
-  load_tile<kD>(ctx, q_s, G::kBlockRows, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
-                p.vec_q);
-  load_tile<kD>(ctx, do_s, G::kBlockRows, p.dout + head_offset(p.dos, bh), p.dos.row, i0, p.t,
-                p.d, p.vec_dout);
+  load_tile<kD, G::kBlockRows>(ctx, q_s, p.q + head_offset(p.qs, bh), p.qs.row, i0, p.t, p.d,
+                               p.vec_q);
+  load_tile<kD, G::kBlockRows>(ctx, do_s, p.dout + head_offset(p.dos, bh), p.dos.row, i0, p.t,
+                               p.d, p.vec_dout);
   float lse2[M][2], delta_r[M][2];  // rows g and g + 8 of each row tile
   MB_TC_UNROLL
   for (int mi = 0; mi < M; ++mi) {
@@ -517,11 +578,18 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
   const float scale2 = p.scale * kLog2e;
   TcAcc dq_acc[M][G::kDTiles];
   const std::int64_t key_end = p.causal ? std::min(p.s, i0 + G::kBlockRows) : p.s;
+  TileRegs<kD, G::kCols> k_next, v_next;
+  fetch_tile(ctx, k_next, k, p.ks.row, 0, p.s, p.d, p.vec_k);
+  fetch_tile(ctx, v_next, v, p.vs.row, 0, p.s, p.d, p.vec_v);
   for (std::int64_t j0 = 0; j0 < key_end; j0 += G::kCols) {
     ctx.sync();  // every warp is done with the previous tile
-    load_tile<kD>(ctx, k_s, G::kCols, k, p.ks.row, j0, p.s, p.d, p.vec_k);
-    load_tile<kD>(ctx, v_s, G::kCols, v, p.vs.row, j0, p.s, p.d, p.vec_v);
+    store_tile(ctx, k_s, k_next);
+    store_tile(ctx, v_s, v_next);
     ctx.sync();  // the tiles (and, on the first pass, q_s and do_s) are in place
+    if (j0 + G::kCols < key_end) {  // the next tile's loads fly while this one is computed
+      fetch_tile(ctx, k_next, k, p.ks.row, j0 + G::kCols, p.s, p.d, p.vec_k);
+      fetch_tile(ctx, v_next, v, p.vs.row, j0 + G::kCols, p.s, p.d, p.vec_v);
+    }
 
     TcAcc sc[M][G::kColTiles], dp[M][G::kColTiles];
     MB_TC_UNROLL
