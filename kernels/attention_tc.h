@@ -8,6 +8,8 @@
 //   float shfl_xor(float v, int m)    __shfl_xor_sync over the full warp
 //   void mma<T>(TcAcc&, TcA&, TcB&)   c += a * b, one warp-wide mma.sync.m16n8k16 (T = f16 or bf16,
 //                                     f32 accumulation)
+//   void ldmatrix<trans>(r[4], row)   one warp-wide ldmatrix.m8n8.x4 (.trans) from shared memory
+//                                     (Note [MMA fragments])
 // Every call is made by all threads of the block (or all lanes of the warp) together.
 //
 // Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward
@@ -31,7 +33,11 @@
 //                            reg 2 = A[g][2t+8, 2t+9], reg 3 = A[g+8][2t+8, 2t+9]
 //   B (16 x 8):              reg 0 = B[2t, 2t+1][g], reg 1 = B[2t+8, 2t+9][g]
 //   C (16 x 8, f32):         x0, x1 = C[g][2t, 2t+1], x2, x3 = C[g+8][2t, 2t+1]
-// (lower element in the low 16 bits of a register).
+// (lower element in the low 16 bits of a register). The fragments are read from shared memory with
+// ldmatrix.x4 (PTX ISA): lane l gives the address of row l % 8 of 8 x 8 matrix l / 8 (8 contiguous
+// elements, 16-byte aligned), and receives in register i the elements (l / 4, 2 (l % 4) + {0, 1})
+// of matrix i, or with .trans the elements (2 (l % 4) + {0, 1}, l / 4). Four matrices make one A
+// fragment, or the B fragments of two adjacent n-tiles.
 #pragma once
 
 #include <algorithm>
@@ -119,16 +125,6 @@ inline constexpr float kTcNegInf = -std::numeric_limits<float>::infinity();
 
 // ---- fragments ---------------------------------------------------------------------------------
 
-MB_TC_FN inline std::uint32_t load_pair(const std::uint16_t* p) {  // p 4-byte aligned
-#if defined(__CUDA_ARCH__)
-  return *reinterpret_cast<const std::uint32_t*>(p);
-#else
-  std::uint32_t u;
-  std::memcpy(&u, p, sizeof u);
-  return u;
-#endif
-}
-
 MB_TC_FN inline std::uint32_t pack_pair(std::uint16_t lo, std::uint16_t hi) {
   return static_cast<std::uint32_t>(lo) | (static_cast<std::uint32_t>(hi) << 16);
 }
@@ -138,26 +134,39 @@ MB_TC_FN inline std::uint32_t pack_floats(float lo, float hi) {
   return pack_pair(T(lo).bits, T(hi).bits);
 }
 
-/// A = M[r0 .. r0+15][k0 .. k0+15] of a row-major shared tile.
-MB_TC_FN inline TcA load_a(const std::uint16_t* m, int stride, int r0, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const std::uint16_t* lo = m + (r0 + g) * stride + k0 + 2 * t;
-  const std::uint16_t* hi = lo + 8 * stride;
-  return {{load_pair(lo), load_pair(hi), load_pair(lo + 8), load_pair(hi + 8)}};
+/// A = M[r0 .. r0+15][k0 .. k0+15] of a row-major shared tile (row stride `stride` halves).
+template <class Ctx>
+MB_TC_FN TcA load_a(Ctx& ctx, const std::uint16_t* m, int stride, int r0, int k0) {
+  const int lane = ctx.thread() & 31, mat = lane >> 3;
+  TcA a;
+  const int row = r0 + (mat & 1) * 8 + (lane & 7), col = k0 + (mat >> 1) * 8;
+  ctx.template ldmatrix<false>(a.r, m + row * stride + col);
+  return a;
 }
+
+/// The B fragments of n-tiles n0 and n0 + 8, k-step k0.
+struct TcB2 {
+  TcB b[2];
+};
 
 /// B[k][n] = M[n0 + n][k0 + k]: the tile's rows are B's columns (k^T in q k^T).
-MB_TC_FN inline TcB load_b_rows(const std::uint16_t* m, int stride, int n0, int k0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const std::uint16_t* p = m + (n0 + g) * stride + k0 + 2 * t;
-  return {{load_pair(p), load_pair(p + 8)}};
+template <class Ctx>
+MB_TC_FN TcB2 load_b_rows(Ctx& ctx, const std::uint16_t* m, int stride, int n0, int k0) {
+  const int lane = ctx.thread() & 31, mat = lane >> 3;
+  std::uint32_t r[4];
+  const int row = n0 + (mat >> 1) * 8 + (lane & 7), col = k0 + (mat & 1) * 8;
+  ctx.template ldmatrix<false>(r, m + row * stride + col);
+  return {{{{r[0], r[1]}}, {{r[2], r[3]}}}};
 }
 
-/// B[k][n] = M[k0 + k][n0 + n]: the tile as it is (v in p v).
-MB_TC_FN inline TcB load_b_cols(const std::uint16_t* m, int stride, int k0, int n0, int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  const std::uint16_t* p = m + (k0 + 2 * t) * stride + n0 + g;
-  return {{pack_pair(p[0], p[stride]), pack_pair(p[8 * stride], p[9 * stride])}};
+/// B[k][n] = M[k0 + k][n0 + n]: the tile as it is (v in p v), read transposed.
+template <class Ctx>
+MB_TC_FN TcB2 load_b_cols(Ctx& ctx, const std::uint16_t* m, int stride, int k0, int n0) {
+  const int lane = ctx.thread() & 31, mat = lane >> 3;
+  std::uint32_t r[4];
+  const int row = k0 + (mat & 1) * 8 + (lane & 7), col = n0 + (mat >> 1) * 8;
+  ctx.template ldmatrix<true>(r, m + row * stride + col);
+  return {{{{r[0], r[1]}}, {{r[2], r[3]}}}};
 }
 
 /// The A operand holding, rounded to T, the 16 x 16 accumulator block whose columns 0-7 are `lo`
@@ -312,7 +321,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
   MB_TC_UNROLL
   for (int mi = 0; mi < M; ++mi) {
     MB_TC_UNROLL
-    for (int kc = 0; kc < G::kDChunks; ++kc) qf[mi][kc] = load_a(q_s, P, r0 + 16 * mi, kc * 16, lane);
+    for (int kc = 0; kc < G::kDChunks; ++kc) qf[mi][kc] = load_a(ctx, q_s, P, r0 + 16 * mi, kc * 16);
   }
 
   const float scale2 = p.scale * kLog2e;
@@ -340,12 +349,15 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
 
     TcAcc sc[M][G::kColTiles];
     MB_TC_UNROLL
-    for (int nt = 0; nt < G::kColTiles; ++nt) {
+    for (int nt = 0; nt < G::kColTiles; nt += 2) {
       MB_TC_UNROLL
       for (int kc = 0; kc < G::kDChunks; ++kc) {
-        const TcB b = load_b_rows(k_s, P, nt * 8, kc * 16, lane);
+        const TcB2 b = load_b_rows(ctx, k_s, P, nt * 8, kc * 16);
         MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(sc[mi][nt], qf[mi][kc], b);
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(sc[mi][nt], qf[mi][kc], b.b[0]);
+          ctx.template mma<T>(sc[mi][nt + 1], qf[mi][kc], b.b[1]);
+        }
       }
     }
     MB_TC_UNROLL
@@ -392,10 +404,13 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
       MB_TC_UNROLL
       for (int mi = 0; mi < M; ++mi) pa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
       MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd) {
-        const TcB b = load_b_cols(v_s, P, kc * 16, nd * 8, lane);
+      for (int nd = 0; nd < G::kDTiles; nd += 2) {
+        const TcB2 b = load_b_cols(ctx, v_s, P, kc * 16, nd * 8);
         MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(o[mi][nd], pa[mi], b);
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(o[mi][nd], pa[mi], b.b[0]);
+          ctx.template mma<T>(o[mi][nd + 1], pa[mi], b.b[1]);
+        }
       }
     }
   }
@@ -480,17 +495,20 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
       TcA ka[M], va[M];
       MB_TC_UNROLL
       for (int mi = 0; mi < M; ++mi) {
-        ka[mi] = load_a(k_s, P, r0 + 16 * mi, kc * 16, lane);
-        va[mi] = load_a(v_s, P, r0 + 16 * mi, kc * 16, lane);
+        ka[mi] = load_a(ctx, k_s, P, r0 + 16 * mi, kc * 16);
+        va[mi] = load_a(ctx, v_s, P, r0 + 16 * mi, kc * 16);
       }
       MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; ++nt) {
-        const TcB bq = load_b_rows(q_s, P, nt * 8, kc * 16, lane);
-        const TcB bo = load_b_rows(do_s, P, nt * 8, kc * 16, lane);
+      for (int nt = 0; nt < G::kColTiles; nt += 2) {
+        const TcB2 bq = load_b_rows(ctx, q_s, P, nt * 8, kc * 16);
+        const TcB2 bo = load_b_rows(ctx, do_s, P, nt * 8, kc * 16);
         MB_TC_UNROLL
         for (int mi = 0; mi < M; ++mi) {
-          ctx.template mma<T>(st[mi][nt], ka[mi], bq);
-          ctx.template mma<T>(dpt[mi][nt], va[mi], bo);
+          MB_TC_UNROLL
+          for (int u = 0; u < 2; ++u) {
+            ctx.template mma<T>(st[mi][nt + u], ka[mi], bq.b[u]);
+            ctx.template mma<T>(dpt[mi][nt + u], va[mi], bo.b[u]);
+          }
         }
       }
     }
@@ -518,13 +536,16 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
         dsa[mi] = to_a<T>(dpt[mi][2 * kc], dpt[mi][2 * kc + 1]);
       }
       MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd) {
-        const TcB bo = load_b_cols(do_s, P, kc * 16, nd * 8, lane);
-        const TcB bq = load_b_cols(q_s, P, kc * 16, nd * 8, lane);
+      for (int nd = 0; nd < G::kDTiles; nd += 2) {
+        const TcB2 bo = load_b_cols(ctx, do_s, P, kc * 16, nd * 8);
+        const TcB2 bq = load_b_cols(ctx, q_s, P, kc * 16, nd * 8);
         MB_TC_UNROLL
         for (int mi = 0; mi < M; ++mi) {
-          ctx.template mma<T>(dv_acc[mi][nd], pa[mi], bo);
-          ctx.template mma<T>(dk_acc[mi][nd], dsa[mi], bq);
+          MB_TC_UNROLL
+          for (int u = 0; u < 2; ++u) {
+            ctx.template mma<T>(dv_acc[mi][nd + u], pa[mi], bo.b[u]);
+            ctx.template mma<T>(dk_acc[mi][nd + u], dsa[mi], bq.b[u]);
+          }
         }
       }
     }
@@ -597,17 +618,20 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
       TcA qa[M], oa[M];
       MB_TC_UNROLL
       for (int mi = 0; mi < M; ++mi) {
-        qa[mi] = load_a(q_s, P, r0 + 16 * mi, kc * 16, lane);
-        oa[mi] = load_a(do_s, P, r0 + 16 * mi, kc * 16, lane);
+        qa[mi] = load_a(ctx, q_s, P, r0 + 16 * mi, kc * 16);
+        oa[mi] = load_a(ctx, do_s, P, r0 + 16 * mi, kc * 16);
       }
       MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; ++nt) {
-        const TcB bk = load_b_rows(k_s, P, nt * 8, kc * 16, lane);
-        const TcB bv = load_b_rows(v_s, P, nt * 8, kc * 16, lane);
+      for (int nt = 0; nt < G::kColTiles; nt += 2) {
+        const TcB2 bk = load_b_rows(ctx, k_s, P, nt * 8, kc * 16);
+        const TcB2 bv = load_b_rows(ctx, v_s, P, nt * 8, kc * 16);
         MB_TC_UNROLL
         for (int mi = 0; mi < M; ++mi) {
-          ctx.template mma<T>(sc[mi][nt], qa[mi], bk);
-          ctx.template mma<T>(dp[mi][nt], oa[mi], bv);
+          MB_TC_UNROLL
+          for (int u = 0; u < 2; ++u) {
+            ctx.template mma<T>(sc[mi][nt + u], qa[mi], bk.b[u]);
+            ctx.template mma<T>(dp[mi][nt + u], oa[mi], bv.b[u]);
+          }
         }
       }
     }
@@ -632,10 +656,13 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
       MB_TC_UNROLL
       for (int mi = 0; mi < M; ++mi) dsa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
       MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; ++nd) {
-        const TcB b = load_b_cols(k_s, P, kc * 16, nd * 8, lane);
+      for (int nd = 0; nd < G::kDTiles; nd += 2) {
+        const TcB2 b = load_b_cols(ctx, k_s, P, kc * 16, nd * 8);
         MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) ctx.template mma<T>(dq_acc[mi][nd], dsa[mi], b);
+        for (int mi = 0; mi < M; ++mi) {
+          ctx.template mma<T>(dq_acc[mi][nd], dsa[mi], b.b[0]);
+          ctx.template mma<T>(dq_acc[mi][nd + 1], dsa[mi], b.b[1]);
+        }
       }
     }
   }

@@ -372,6 +372,19 @@ struct DeviceContext {
   __device__ int thread() const { return static_cast<int>(threadIdx.x); }
   __device__ void sync() const { __syncthreads(); }
   __device__ float shfl_xor(float v, int mask) const { return __shfl_xor_sync(kFullMask, v, mask); }
+  template <bool kTrans>
+  __device__ void ldmatrix(std::uint32_t (&r)[4], const std::uint16_t* row) const {
+    const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    if constexpr (kTrans) {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(address));
+    } else {
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                   : "r"(address));
+    }
+  }
   template <class T>
   __device__ void mma(tc::TcAcc& c, const tc::TcA& a, const tc::TcB& b) const {
     if constexpr (std::is_same_v<T, bf16>) {

@@ -1,10 +1,11 @@
 // The tensor-core attention kernels (kernels/attention_tc.h) run on the CPU: one OS thread per
-// CUDA thread, barriers for __syncthreads and for the warp-wide shuffles and MMAs, and an MMA that
-// reads each lane's fragment registers by the layout the PTX ISA documents (Note [MMA fragments]),
-// independently of the loads the kernels use. The block bodies are the very code the GPU runs, so
-// these cases check their tiling, masking, online softmax, fragment loads and operand layouts
-// against attention computed in f64 from the same 16-bit inputs. They cannot check the hardware
-// itself; the CUDA parity cases in test_cuda_nn.cpp do that where a GPU is present.
+// CUDA thread, barriers for __syncthreads and for the warp-wide shuffles, ldmatrix loads and MMAs,
+// each emulated as the PTX ISA documents it (Note [MMA fragments]); the MMA reads each lane's
+// fragment registers by the documented layout, independently of how the kernels load them. The
+// block bodies are the very code the GPU runs, so these cases check their tiling, masking, online
+// softmax, prefetching, fragment loads and operand layouts against attention computed in f64 from
+// the same 16-bit inputs. They cannot check the hardware itself; the CUDA parity cases in
+// test_cuda_attention.cpp and test_cuda_nn.cpp do that where a GPU is present.
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -29,6 +30,7 @@ struct EmulatedBlock {
   std::barrier<> block{tc::kTcThreads};
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   float lanes[tc::kTcWarps][32] = {};
+  const std::uint16_t* rows[tc::kTcWarps][32] = {};
   tc::TcA a[tc::kTcWarps][32] = {};
   tc::TcB b[tc::kTcWarps][32] = {};
   std::vector<std::uint16_t> smem;
@@ -59,6 +61,23 @@ class EmulatedThread {
     const float r = block_->lanes[warp()][lane() ^ mask];
     warp_sync();
     return r;
+  }
+
+  // Register i of lane l: elements (l / 4, 2 (l % 4) + {0, 1}) of matrix i, whose row r lane
+  // 8 i + r points at; with kTrans, elements (2 (l % 4) + {0, 1}, l / 4).
+  template <bool kTrans>
+  void ldmatrix(std::uint32_t (&r)[4], const std::uint16_t* row) {
+    block_->rows[warp()][lane()] = row;
+    warp_sync();
+    const int l = lane();
+    for (int i = 0; i < 4; ++i) {
+      const std::uint16_t* const* matrix = &block_->rows[warp()][8 * i];
+      const std::uint16_t lo = kTrans ? matrix[2 * (l % 4)][l / 4] : matrix[l / 4][2 * (l % 4)];
+      const std::uint16_t hi =
+          kTrans ? matrix[2 * (l % 4) + 1][l / 4] : matrix[l / 4][2 * (l % 4) + 1];
+      r[i] = tc::pack_pair(lo, hi);
+    }
+    warp_sync();
   }
 
   template <class T>
