@@ -4,10 +4,13 @@
 // compute_t<dst> (f32 for 16-bit accumulators).
 //
 // Contiguous operands take the vector path: a scalar head brings dst to a 16-byte boundary, packs
-// of 16 / min(sizeof dst, sizeof src) elements move as 128-bit words, a scalar tail ends it (all
-// scalar when src cannot be aligned by the same head). Any other layout takes the strided path.
+// of kAccumulatePack elements move as 128-bit (or, for the narrower operand, 64-bit) words, a
+// scalar tail ends it (all scalar when src cannot be aligned by the same head); each thread takes
+// two packs a grid stride apart per step, their loads in flight together. Any other layout takes
+// the strided path.
 // With stats, the pass also reduces the updated values (Note [One-launch reduction]), so the last
 // micro-batch of a window can yield its norm and non-finite flag without a second read.
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/cuda/grad_stats.cuh"
@@ -35,23 +38,41 @@ __device__ __forceinline__ double stat_value(D d) {
   return static_cast<double>(static_cast<compute_t<D>>(d));
 }
 
+// Elements per pack: 16 bytes of the wider operand, so that a warp's load of either array covers
+// one contiguous span (f32 += bf16: 4 elements, 16 + 8 bytes; a pack of 8 would read the f32 side
+// as two 16-byte halves 32 bytes apart). Where the narrower side would get less than 8 bytes
+// (f64 += 16-bit), 16 bytes of the narrower one.
+template <class D, class S>
+constexpr int accumulate_pack() {
+  constexpr int wide = kNarrowPackOf<D, S>;
+  return wide * std::min(sizeof(D), sizeof(S)) >= 8 ? wide : kPackOf<D, S>;
+}
+template <class D, class S>
+inline constexpr int kAccumulatePack = accumulate_pack<D, S>();
+
 template <class D, class S>
 __global__ void accumulate_contiguous_kernel(D* dst, const S* src, compute_t<D> w, PackSplit split,
                                              GradStatsBuffer* stats) {
-  constexpr int kPack = kPackOf<D, S>;
+  constexpr int kPack = kAccumulatePack<D, S>;
   StatsAccumulator acc;
   const std::int64_t packs = split.packs();
   const std::int64_t stride = grid_threads();
-  for (std::int64_t p = global_thread(); p < packs; p += stride) {
-    const std::int64_t i = split.pack_start(p);
-    Pack<D, kPack> d = load_pack<D, kPack>(dst + i);
-    const Pack<S, kPack> s = load_pack<S, kPack>(src + i);
+  for (std::int64_t p = global_thread(); p < packs; p += 2 * stride) {
+    const bool second = p + stride < packs;  // the pair's other pack, a grid stride on
+    const std::int64_t i0 = split.pack_start(p), i1 = split.pack_start(second ? p + stride : p);
+    Pack<D, kPack> d[2] = {load_pack<D, kPack>(dst + i0), load_pack<D, kPack>(dst + i1)};
+    const Pack<S, kPack> s[2] = {load_pack<S, kPack>(src + i0), load_pack<S, kPack>(src + i1)};
 #pragma unroll
-    for (int k = 0; k < kPack; ++k) {
-      d.v[k] = accumulate_one(d.v[k], s.v[k], w);
-      if (stats != nullptr) acc.add(stat_value(d.v[k]), i + k);
+    for (int u = 0; u < 2; ++u) {
+      if (u == 1 && !second) break;
+      const std::int64_t i = u == 0 ? i0 : i1;
+#pragma unroll
+      for (int k = 0; k < kPack; ++k) {
+        d[u].v[k] = accumulate_one(d[u].v[k], s[u].v[k], w);
+        if (stats != nullptr) acc.add(stat_value(d[u].v[k]), i + k);
+      }
+      store_pack(dst + i, d[u]);
     }
-    store_pack(dst + i, d);
   }
   for (std::int64_t j = global_thread(); j < split.scalar_count(); j += stride) {  // head and tail
     const std::int64_t i = split.scalar_index(j);
@@ -86,9 +107,11 @@ void accumulate(const StridedView& dst, const StridedView& src, double weight, G
     dispatch_float(src.dtype, "accumulate", [&]<class S>() {
       const auto w = static_cast<compute_t<D>>(weight);
       if (dst.is_contiguous() && src.is_contiguous()) {
-        const PackSplit split = pack_split(n, kPackOf<D, S>, address_of<D>(dst.data), {address_of<S>(src.data)});
+        const PackSplit split =
+            pack_split(n, kAccumulatePack<D, S>, address_of<D>(dst.data), {address_of<S>(src.data)});
         constexpr auto kernel = &accumulate_contiguous_kernel<D, S>;
-        const unsigned grid = resident_grid<kernel>(split.items(), kMaxStatsBlocks);
+        const unsigned grid = resident_grid<kernel>(
+            std::max((split.packs() + 1) / 2, split.scalar_count()), kMaxStatsBlocks);
         kernel<<<grid, kThreads, 0, stream>>>(static_cast<D*>(dst.data), static_cast<const S*>(src.data), w, split,
                                               stats);
       } else {

@@ -11,10 +11,11 @@
 
 namespace microbatch::kernels::cuda {
 
-/// N elements loaded or stored as one or more 128-bit accesses (N * sizeof(T) a multiple of 16).
+/// N elements loaded or stored as one 64-bit access or one or more 128-bit accesses.
 template <class T, int N>
-struct alignas(16) Pack {
-  static_assert(N * sizeof(T) % 16 == 0, "a pack is a whole number of 128-bit words");
+struct alignas(N * sizeof(T) < 16 ? N * sizeof(T) : 16) Pack {
+  static_assert(N * sizeof(T) == 8 || N * sizeof(T) % 16 == 0,
+                "a pack is one 64-bit word or a whole number of 128-bit words");
   T v[N];
 };
 
@@ -30,6 +31,12 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& pack) {
 /// Elements per pack when every array involved is read in 128-bit words: 16 / the narrowest size.
 template <class... T>
 inline constexpr int kPackOf = static_cast<int>(16 / std::min({sizeof(T)...}));
+
+/// Elements per pack when the widest array is read in 128-bit words and the others in 64-bit ones
+/// or 128-bit ones: each load instruction of a warp then covers one contiguous span of every
+/// array, with no partly used sectors.
+template <class... T>
+inline constexpr int kNarrowPackOf = static_cast<int>(16 / std::max({sizeof(T)...}));
 
 /// A pointer as pack_split sees it.
 template <class T>
