@@ -98,6 +98,15 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
 // ---- shape (core/ops/shape.cpp; the views are Tensor methods, core/ops/view.cpp) ----------------
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
+/// Views of consecutive pieces of `a` along dim, as torch.split: pieces of split_size (the last
+/// one smaller when split_size does not divide the dim), or of the given sizes (which must add up
+/// to the dim). One backward node for all of them writes their gradients into one buffer of a's
+/// shape (zeros where a piece got none), instead of a zero-filled buffer per piece.
+std::vector<Tensor> split(const Tensor& a, std::int64_t split_size, std::int64_t dim = 0);
+std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& sizes,
+                          std::int64_t dim = 0);
+/// torch.chunk: `chunks` pieces of ceil(size / chunks) along dim (fewer when they run out).
+std::vector<Tensor> chunk(const Tensor& a, std::int64_t chunks, std::int64_t dim = 0);
 
 // ---- indexing (core/ops/index.cpp) -------------------------------------------------------------
 /// Rows of weight (V, C) picked by integer indices (*) -> (*, C).

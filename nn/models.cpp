@@ -94,9 +94,9 @@ CausalSelfAttention::CausalSelfAttention(const GPTConfig& config)
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
   const std::int64_t B = x.shape()[0], T = x.shape()[1], C = x.shape()[2], D = C / n_head;
-  Tensor qkv = c_attn->forward(x);  // (B, T, 3C)
-  auto head = [&](int i) {          // (B, H, T, D)
-    return qkv.slice(2, i * C, (i + 1) * C).reshape({B, T, n_head, D}).transpose(1, 2);
+  const std::vector<Tensor> qkv = split(c_attn->forward(x), C, 2);  // 3 x (B, T, C)
+  auto head = [&](int i) {                                            // (B, H, T, D)
+    return qkv[i].reshape({B, T, n_head, D}).transpose(1, 2);
   };
   Tensor y = scaled_dot_product_attention(
       head(0), head(1), head(2),

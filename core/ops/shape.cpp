@@ -1,6 +1,8 @@
-// Joining ops: cat and stack. The output is allocated once and each input copied into its slice;
-// the backward hands each input its slice of the gradient (a view; overwrites, nothing saved but
-// sizes). stack is cat of unsqueezed inputs, so it shares that backward.
+// Joining ops, cat and stack, and their inverse, split (and chunk). cat allocates its output once
+// and copies each input into its slice; its backward hands each input its slice of the gradient (a
+// view; overwrites, nothing saved but sizes). stack is cat of unsqueezed inputs, so it shares that
+// backward. split's pieces are views; its backward is cat's forward: one buffer of the input's
+// shape, each piece's gradient copied into its slice (overwrites).
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -24,6 +26,64 @@ void check_same_kind(const char* op, const std::vector<Tensor>& tensors) {
 }
 
 }  // namespace
+
+std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& sizes, std::int64_t dim) {
+  MB_CHECK(a.dim() > 0, "[split] a zero-dimensional tensor cannot be split");
+  const int d = wrap_dim(dim, a.dim(), "split");
+  std::int64_t total = 0;
+  for (std::int64_t n : sizes) {
+    MB_CHECK(n >= 0, "[split] split sizes must be non-negative, got {}", n);
+    total += n;
+  }
+  MB_CHECK(total == a.shape()[d],
+           "[split] split sizes add up to {} but dim {} of {} has size {}", total, d,
+           shape_str(a.shape()), a.shape()[d]);
+  std::vector<Tensor> pieces;
+  {
+    NoGradGuard no_grad;  // one node below records them all
+    std::int64_t start = 0;
+    for (std::int64_t n : sizes) {
+      pieces.push_back(a.slice(d, start, start + n));
+      start += n;
+    }
+  }
+  record_multi("split", {a}, pieces,
+               [from = a.shape(), dtype = a.dtype(), device = a.device(), sizes,
+                d](std::vector<Tensor> grads) {
+                 Tensor full = empty(from, {.dtype = dtype, .device = device});  // overwritten
+                 std::int64_t start = 0;
+                 for (std::size_t i = 0; i < sizes.size(); ++i) {
+                   Tensor slot = full.slice(d, start, start + sizes[i]);
+                   if (grads[i].defined()) {
+                     slot.copy_(grads[i]);
+                   } else if (sizes[i] > 0) {
+                     slot.zero_();
+                   }
+                   start += sizes[i];
+                 }
+                 return std::vector<Tensor>{full};
+               });
+  return pieces;
+}
+
+std::vector<Tensor> split(const Tensor& a, std::int64_t split_size, std::int64_t dim) {
+  MB_CHECK(a.dim() > 0, "[split] a zero-dimensional tensor cannot be split");
+  const std::int64_t n = a.shape()[wrap_dim(dim, a.dim(), "split")];
+  MB_CHECK(split_size > 0 || (split_size == 0 && n == 0),
+           "[split] split_size must be positive, got {}", split_size);
+  std::vector<std::int64_t> sizes;
+  for (std::int64_t start = 0; start < n; start += split_size)
+    sizes.push_back(std::min(split_size, n - start));
+  if (sizes.empty()) sizes.push_back(0);  // as torch: one empty piece of an empty dim
+  return split(a, sizes, dim);
+}
+
+std::vector<Tensor> chunk(const Tensor& a, std::int64_t chunks, std::int64_t dim) {
+  MB_CHECK(chunks > 0, "[chunk] chunks must be positive, got {}", chunks);
+  MB_CHECK(a.dim() > 0, "[chunk] a zero-dimensional tensor cannot be chunked");
+  const std::int64_t n = a.shape()[wrap_dim(dim, a.dim(), "chunk")];
+  return split(a, std::max<std::int64_t>((n + chunks - 1) / chunks, n == 0 ? 0 : 1), dim);
+}
 
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
   check_same_kind("cat", tensors);

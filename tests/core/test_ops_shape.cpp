@@ -1,4 +1,4 @@
-// Shape ops: cat and stack, and the views that are Tensor methods (view, reshape, transpose,
+// Shape ops: cat, stack, split and chunk, and the views that are Tensor methods (view, reshape, transpose,
 // permute, slice, select, expand, squeeze, unsqueeze, flatten) plus contiguous and clone.
 // Forward values come from index arithmetic on arange inputs; gradients from gradcheck on
 // contiguous and non-contiguous inputs; errors must name the op.
@@ -139,6 +139,64 @@ TEST_CASE("cat and stack errors name the op, the tensor and both shapes") {
   check_throws_with([&] { stack({a, zeros({2, 3}, {.dtype = DType::i64})}); },
                     "[stack] tensor 1 has dtype i64");
   check_throws_with([&] { stack({a, a}, 3); }, "[stack] dim 3 out of range");
+}
+
+// ---- split and chunk ---------------------------------------------------------------------------
+
+TEST_CASE("split and chunk: the pieces torch gives, as views of the input") {
+  Tensor a = iota({2, 7});
+  std::vector<Tensor> p = split(a, 3, 1);  // sizes 3, 3, 1
+  REQUIRE(p.size() == 3);
+  check_close(p[0], {0, 1, 2, 7, 8, 9}, 0, 0, "piece 0");
+  check_close(p[1], {3, 4, 5, 10, 11, 12}, 0, 0, "piece 1");
+  check_close(p[2], {6, 13}, 0, 0, "piece 2");
+  CHECK(p[2].shape() == Shape{2, 1});
+  CHECK(p[1].storage() == a.storage());  // a view, no copy
+  std::vector<Tensor> q = split(a, std::vector<std::int64_t>{1, 0, 6}, -1);
+  REQUIRE(q.size() == 3);
+  CHECK(q[1].shape() == Shape{2, 0});
+  check_close(q[2], {1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13}, 0, 0, "sizes 1, 0, 6");
+  CHECK(split(a, 2, 0).size() == 1);  // one piece of the whole dim
+  // chunk: pieces of ceil(n / chunks), fewer when they run out (6 over 4 chunks gives 3 of 2).
+  CHECK(chunk(iota({6}), 4).size() == 3);
+  std::vector<Tensor> c = chunk(iota({5}), 3);
+  REQUIRE(c.size() == 3);
+  check_close(c[2], {4}, 0, 0, "last chunk");
+  CHECK(split(empty({0, 3}), 2, 0).size() == 1);
+}
+
+TEST_CASE("split: one backward node; gradcheck with every piece used and with pieces unused") {
+  Tensor a = input({3, 8}, -1, 1, 5);
+  std::vector<Tensor> p = split(a, 3, 1);
+  CHECK(p[0].grad_fn() != nullptr);
+  CHECK(p[0].grad_fn() == p[2].grad_fn());
+  gradcheck(
+      "split, every piece", [](const std::vector<Tensor>& in) {
+        std::vector<Tensor> x = split(in[0], 3, 1);
+        return cat({x[2] * 2.0, x[0], x[1] * x[1]}, 1);
+      },
+      {a});
+  gradcheck(
+      "split, piece 1 unused (its gradient is zero)", [](const std::vector<Tensor>& in) {
+        std::vector<Tensor> x = split(in[0], 3, 1);
+        return cat({x[0], x[2]}, 1);
+      },
+      {non_contiguous(a)});
+  gradcheck(
+      "chunk along dim 0", [](const std::vector<Tensor>& in) { return chunk(in[0], 2, 0)[1] * 3.0; },
+      {a});
+}
+
+TEST_CASE("split and chunk errors name the op and the sizes") {
+  Tensor a = zeros({2, 7});
+  check_throws_with([&] { split(a, std::vector<std::int64_t>{3, 3}, 1); },
+                    "[split] split sizes add up to 6 but dim 1 of (2, 7) has size 7");
+  check_throws_with([&] { split(a, std::vector<std::int64_t>{8, -1}, 1); },
+                    "[split] split sizes must be non-negative, got -1");
+  check_throws_with([&] { split(a, 0, 1); }, "[split] split_size must be positive, got 0");
+  check_throws_with([&] { split(a, 2, 2); }, "[split] dim 2 out of range");
+  check_throws_with([&] { chunk(a, 0, 1); }, "[chunk] chunks must be positive, got 0");
+  check_throws_with([] { split(scalar_tensor(1), 1); }, "[split] a zero-dimensional tensor");
 }
 
 // ---- views -------------------------------------------------------------------------------------
