@@ -40,6 +40,7 @@
 #include "core/profiler.h"
 #include "core/rng.h"
 #include "core/safetensors.h"
+#include "kernels/attention.h"
 #include "nn/models.h"
 #include "optim/boundary_step.h"
 #include "optim/optimizer.h"
@@ -74,6 +75,15 @@ Tensor synthetic_tokens(std::int64_t batch, std::int64_t t, std::int64_t vocab, 
   std::vector<double> ids(static_cast<std::size_t>(batch * (t + 1)));
   for (double& id : ids) id = static_cast<double>(pick(gen));
   return mb::from_vector(ids, {batch, t + 1}, {.dtype = DType::i64});
+}
+
+// Which attention kernel the steps ran: the fused CUDA ones (tensor cores for bf16 unless
+// MB_ATTENTION_KERNEL=simt) or the composed CPU path.
+const char* attention_kernel_name(mb::Device dev) {
+  if (!dev.is_cuda()) return "composed (CPU)";
+  return mb::kernels::cuda::attention_kernel() == mb::kernels::cuda::AttentionKernel::simt
+             ? "fused, f32 math (MB_ATTENTION_KERNEL=simt)"
+             : "fused, tensor cores";
 }
 
 struct Run {
@@ -257,6 +267,7 @@ int main(int argc, char** argv) {
                                       {"precision", "bf16 weights and activations, f32 master weights and gradients"},
                                       {"optimizer", "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 "
                                                     "on matrices; clip 1.0"},
+                                      {"attention", attention_kernel_name(dev)},
                                       {"weights", weights_path},
                                       {"tokens", tokens_path},
                                       {"warmup", warmup},
