@@ -49,8 +49,6 @@
 #include "core/half.h"
 #include "kernels/attention.h"
 
-namespace microbatch::kernels::tc {
-
 // Device functions under nvcc (the kernels in kernels/cuda/attention.cu), host functions for the
 // CPU emulation. Loops over fragments must unroll: registers cannot be indexed at run time.
 #if defined(__CUDACC__)
@@ -60,6 +58,32 @@ namespace microbatch::kernels::tc {
 #define MB_TC_FN
 #define MB_TC_UNROLL
 #endif
+
+namespace microbatch::kernels {
+
+/// What every attention kernel reads of q, k and v, the f32-math ones in kernels/cuda/attention.cu
+/// too: head bh of q starts at q + head_offset(qs, bh), and so on.
+template <class T>
+struct AttentionOperands {
+  const T* q;
+  const T* k;
+  const T* v;
+  HeadStrides qs, ks, vs;
+  std::int64_t t;  // queries per head
+  std::int64_t s;  // keys per head
+  std::int64_t d;  // head dim
+  float scale;
+  bool causal;
+
+  /// Whether query i sees key j (both within range, and j <= i under the causal mask).
+  MB_TC_FN bool visible(std::int64_t i, std::int64_t j) const {
+    return i < t && j < s && (!causal || j <= i);
+  }
+};
+
+}  // namespace microbatch::kernels
+
+namespace microbatch::kernels::tc {
 
 inline constexpr int kTcWarps = 4;
 inline constexpr int kTcThreads = kTcWarps * 32;
@@ -101,22 +125,15 @@ struct TcAcc {
   float x[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 };
 
-/// What the kernels read: as the SIMT kernels' operands, plus whether each of q, k, v and dout can
-/// be copied to shared memory 16 bytes at a time (D == kD, rows and base 16-byte aligned).
+/// The tensor-core kernels' operands: dout for the backward, whether each of q, k, v and dout can
+/// be copied to shared memory 16 bytes at a time (D == kD, rows and base 16-byte aligned), and the
+/// block tiles per head.
 template <class T>
-struct TcOperands {
-  const T* q;
-  const T* k;
-  const T* v;
-  const T* dout;  // backward only
-  HeadStrides qs, ks, vs, dos;
-  std::int64_t t;  // queries per head
-  std::int64_t s;  // keys per head
-  std::int64_t d;  // head dim
-  float scale;
-  bool causal;
-  bool vec_q, vec_k, vec_v, vec_dout;
-  std::int64_t tiles;  // block tiles per head: ceil(t / kBlockRows), or ceil(s / kBlockRows) for dk/dv
+struct TcOperands : kernels::AttentionOperands<T> {
+  const T* dout = nullptr;  // backward only
+  HeadStrides dos;
+  bool vec_q = false, vec_k = false, vec_v = false, vec_dout = false;
+  std::int64_t tiles = 0;  // ceil(t / kBlockRows), or ceil(s / kBlockRows) for dk/dv
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -253,11 +270,6 @@ MB_TC_FN void load_tile(Ctx& ctx, std::uint16_t* tile, const T* src, std::int64_
   store_tile(ctx, tile, regs);
 }
 
-template <class T>
-MB_TC_FN inline bool tc_visible(const TcOperands<T>& p, std::int64_t i, std::int64_t j) {
-  return i < p.t && j < p.s && (!p.causal || j <= i);
-}
-
 /// max with NaN winning, as ops::Maximum.
 MB_TC_FN inline float tc_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
@@ -295,6 +307,54 @@ MB_TC_FN inline void store_row(T* row, const TcAcc (&acc)[kTiles], int h, int t,
   }
 }
 
+// ---- the two kinds of product -----------------------------------------------------------------
+
+/// acc[mi][nt] += rows . cols^T over kD: the warp's kM 16-row tiles of `rows` (a block-owned
+/// (kBlockRows, kD) shared tile, from row r0) against the kCols rows of `cols` (a walked
+/// (kCols, kD) shared tile), as scores S = q k^T or dP = dout v^T (transposed in dk/dv).
+template <class T, class G, int M, class Ctx>
+MB_TC_FN void add_row_products(Ctx& ctx, TcAcc (&acc)[M][G::kColTiles], const std::uint16_t* rows,
+                               const std::uint16_t* cols, int r0) {
+  MB_TC_UNROLL
+  for (int kc = 0; kc < G::kDChunks; ++kc) {
+    TcA a[M];
+    MB_TC_UNROLL
+    for (int mi = 0; mi < M; ++mi) a[mi] = load_a(ctx, rows, G::kStride, r0 + 16 * mi, kc * 16);
+    MB_TC_UNROLL
+    for (int nt = 0; nt < G::kColTiles; nt += 2) {
+      const TcB2 b = load_b_rows(ctx, cols, G::kStride, nt * 8, kc * 16);
+      MB_TC_UNROLL
+      for (int mi = 0; mi < M; ++mi) {
+        MB_TC_UNROLL
+        for (int u = 0; u < 2; ++u) ctx.template mma<T>(acc[mi][nt + u], a[mi], b.b[u]);
+      }
+    }
+  }
+}
+
+/// acc[mi][nd] += x[mi] . tile: score-shaped accumulators x (the warp's kM 16 x kCols tiles of P or
+/// dS), rounded to T as A operands, times a walked (kCols, kD) shared tile read as it is, as
+/// out += P v, dq += dS k, dv += P^T dout, dk += dS^T q.
+template <class T, class G, int M, class Ctx>
+MB_TC_FN void add_tile_products(Ctx& ctx, TcAcc (&acc)[M][G::kDTiles],
+                                const TcAcc (&x)[M][G::kColTiles], const std::uint16_t* tile) {
+  MB_TC_UNROLL
+  for (int kc = 0; kc < G::kColChunks; ++kc) {
+    TcA a[M];
+    MB_TC_UNROLL
+    for (int mi = 0; mi < M; ++mi) a[mi] = to_a<T>(x[mi][2 * kc], x[mi][2 * kc + 1]);
+    MB_TC_UNROLL
+    for (int nd = 0; nd < G::kDTiles; nd += 2) {
+      const TcB2 b = load_b_cols(ctx, tile, G::kStride, kc * 16, nd * 8);
+      MB_TC_UNROLL
+      for (int mi = 0; mi < M; ++mi) {
+        MB_TC_UNROLL
+        for (int u = 0; u < 2; ++u) ctx.template mma<T>(acc[mi][nd + u], a[mi], b.b[u]);
+      }
+    }
+  }
+}
+
 // ---- forward -----------------------------------------------------------------------------------
 
 /// out and lse (kernels/attention.h) for the kBlockRows queries of block `block` (Note
@@ -321,7 +381,8 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
   MB_TC_UNROLL
   for (int mi = 0; mi < M; ++mi) {
     MB_TC_UNROLL
-    for (int kc = 0; kc < G::kDChunks; ++kc) qf[mi][kc] = load_a(ctx, q_s, P, r0 + 16 * mi, kc * 16);
+    for (int kc = 0; kc < G::kDChunks; ++kc)
+      qf[mi][kc] = load_a(ctx, q_s, P, r0 + 16 * mi, kc * 16);
   }
 
   const float scale2 = p.scale * kLog2e;
@@ -371,7 +432,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
           MB_TC_UNROLL
           for (int e = 0; e < 2; ++e) {
             float& x = sc[mi][nt].x[2 * h + e];
-            x = tc_visible(p, i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
+            x = p.visible(i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
             mx = tc_max(mx, x);
           }
         }
@@ -389,7 +450,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
             sum += x;
           }
         }
-        l[mi][h] = l[mi][h] * correction + sum;  // this lane's columns; the quad's summed at the end
+        l[mi][h] = l[mi][h] * correction + sum;  // this lane's columns; the quad's summed later
         m[mi][h] = m_new;
         MB_TC_UNROLL
         for (int nd = 0; nd < G::kDTiles; ++nd) {
@@ -398,21 +459,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
         }
       }
     }
-    MB_TC_UNROLL
-    for (int kc = 0; kc < G::kColChunks; ++kc) {
-      TcA pa[M];
-      MB_TC_UNROLL
-      for (int mi = 0; mi < M; ++mi) pa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
-      MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; nd += 2) {
-        const TcB2 b = load_b_cols(ctx, v_s, P, kc * 16, nd * 8);
-        MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) {
-          ctx.template mma<T>(o[mi][nd], pa[mi], b.b[0]);
-          ctx.template mma<T>(o[mi][nd + 1], pa[mi], b.b[1]);
-        }
-      }
-    }
+    add_tile_products<T, G>(ctx, o, sc, v_s);
   }
 
   MB_TC_UNROLL
@@ -490,28 +537,8 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
     if (i0 + G::kCols < p.t) fetch(i0 + G::kCols);
 
     TcAcc st[M][G::kColTiles], dpt[M][G::kColTiles];  // S^T and dP^T: rows keys, columns queries
-    MB_TC_UNROLL
-    for (int kc = 0; kc < G::kDChunks; ++kc) {
-      TcA ka[M], va[M];
-      MB_TC_UNROLL
-      for (int mi = 0; mi < M; ++mi) {
-        ka[mi] = load_a(ctx, k_s, P, r0 + 16 * mi, kc * 16);
-        va[mi] = load_a(ctx, v_s, P, r0 + 16 * mi, kc * 16);
-      }
-      MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; nt += 2) {
-        const TcB2 bq = load_b_rows(ctx, q_s, P, nt * 8, kc * 16);
-        const TcB2 bo = load_b_rows(ctx, do_s, P, nt * 8, kc * 16);
-        MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) {
-          MB_TC_UNROLL
-          for (int u = 0; u < 2; ++u) {
-            ctx.template mma<T>(st[mi][nt + u], ka[mi], bq.b[u]);
-            ctx.template mma<T>(dpt[mi][nt + u], va[mi], bo.b[u]);
-          }
-        }
-      }
-    }
+    add_row_products<T, G>(ctx, st, k_s, q_s, r0);
+    add_row_products<T, G>(ctx, dpt, v_s, do_s, r0);
     MB_TC_UNROLL
     for (int mi = 0; mi < M; ++mi) {
       MB_TC_UNROLL
@@ -520,35 +547,15 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + 2 * t + (e & 1);
           const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * (e >> 1);
-          const bool seen = tc_visible(p, i0 + c, j);
+          const bool seen = p.visible(i0 + c, j);
           const float pr = seen ? exp2f(st[mi][nt].x[e] * scale2 - lse_s[c]) : 0.0f;
           dpt[mi][nt].x[e] = seen ? pr * (dpt[mi][nt].x[e] - delta_s[c]) : 0.0f;
           st[mi][nt].x[e] = pr;
         }
       }
     }
-    MB_TC_UNROLL
-    for (int kc = 0; kc < G::kColChunks; ++kc) {
-      TcA pa[M], dsa[M];
-      MB_TC_UNROLL
-      for (int mi = 0; mi < M; ++mi) {
-        pa[mi] = to_a<T>(st[mi][2 * kc], st[mi][2 * kc + 1]);
-        dsa[mi] = to_a<T>(dpt[mi][2 * kc], dpt[mi][2 * kc + 1]);
-      }
-      MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; nd += 2) {
-        const TcB2 bo = load_b_cols(ctx, do_s, P, kc * 16, nd * 8);
-        const TcB2 bq = load_b_cols(ctx, q_s, P, kc * 16, nd * 8);
-        MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) {
-          MB_TC_UNROLL
-          for (int u = 0; u < 2; ++u) {
-            ctx.template mma<T>(dv_acc[mi][nd + u], pa[mi], bo.b[u]);
-            ctx.template mma<T>(dk_acc[mi][nd + u], dsa[mi], bq.b[u]);
-          }
-        }
-      }
-    }
+    add_tile_products<T, G>(ctx, dv_acc, st, do_s);
+    add_tile_products<T, G>(ctx, dk_acc, dpt, q_s);
   }
 
   MB_TC_UNROLL
@@ -613,28 +620,8 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
     }
 
     TcAcc sc[M][G::kColTiles], dp[M][G::kColTiles];
-    MB_TC_UNROLL
-    for (int kc = 0; kc < G::kDChunks; ++kc) {
-      TcA qa[M], oa[M];
-      MB_TC_UNROLL
-      for (int mi = 0; mi < M; ++mi) {
-        qa[mi] = load_a(ctx, q_s, P, r0 + 16 * mi, kc * 16);
-        oa[mi] = load_a(ctx, do_s, P, r0 + 16 * mi, kc * 16);
-      }
-      MB_TC_UNROLL
-      for (int nt = 0; nt < G::kColTiles; nt += 2) {
-        const TcB2 bk = load_b_rows(ctx, k_s, P, nt * 8, kc * 16);
-        const TcB2 bv = load_b_rows(ctx, v_s, P, nt * 8, kc * 16);
-        MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) {
-          MB_TC_UNROLL
-          for (int u = 0; u < 2; ++u) {
-            ctx.template mma<T>(sc[mi][nt + u], qa[mi], bk.b[u]);
-            ctx.template mma<T>(dp[mi][nt + u], oa[mi], bv.b[u]);
-          }
-        }
-      }
-    }
+    add_row_products<T, G>(ctx, sc, q_s, k_s, r0);
+    add_row_products<T, G>(ctx, dp, do_s, v_s, r0);
     MB_TC_UNROLL
     for (int mi = 0; mi < M; ++mi) {
       MB_TC_UNROLL
@@ -643,28 +630,14 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1;
           const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
-          const bool seen = tc_visible(p, i, j0 + nt * 8 + 2 * t + (e & 1));
+          const bool seen = p.visible(i, j0 + nt * 8 + 2 * t + (e & 1));
           sc[mi][nt].x[e] = seen ? exp2f(sc[mi][nt].x[e] * scale2 - lse2[mi][h]) *
                                        (dp[mi][nt].x[e] - delta_r[mi][h])
                                  : 0.0f;
         }
       }
     }
-    MB_TC_UNROLL
-    for (int kc = 0; kc < G::kColChunks; ++kc) {
-      TcA dsa[M];
-      MB_TC_UNROLL
-      for (int mi = 0; mi < M; ++mi) dsa[mi] = to_a<T>(sc[mi][2 * kc], sc[mi][2 * kc + 1]);
-      MB_TC_UNROLL
-      for (int nd = 0; nd < G::kDTiles; nd += 2) {
-        const TcB2 b = load_b_cols(ctx, k_s, P, kc * 16, nd * 8);
-        MB_TC_UNROLL
-        for (int mi = 0; mi < M; ++mi) {
-          ctx.template mma<T>(dq_acc[mi][nd], dsa[mi], b.b[0]);
-          ctx.template mma<T>(dq_acc[mi][nd + 1], dsa[mi], b.b[1]);
-        }
-      }
-    }
+    add_tile_products<T, G>(ctx, dq_acc, sc, k_s);
   }
 
   MB_TC_UNROLL

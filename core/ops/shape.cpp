@@ -3,6 +3,8 @@
 // view; overwrites, nothing saved but sizes). stack is cat of unsqueezed inputs, so it shares that
 // backward. split's pieces are views; its backward is cat's forward: one buffer of the input's
 // shape, each piece's gradient copied into its slice (overwrites).
+#include <algorithm>
+
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -82,7 +84,7 @@ std::vector<Tensor> chunk(const Tensor& a, std::int64_t chunks, std::int64_t dim
   MB_CHECK(chunks > 0, "[chunk] chunks must be positive, got {}", chunks);
   MB_CHECK(a.dim() > 0, "[chunk] a zero-dimensional tensor cannot be chunked");
   const std::int64_t n = a.shape()[wrap_dim(dim, a.dim(), "chunk")];
-  return split(a, std::max<std::int64_t>((n + chunks - 1) / chunks, n == 0 ? 0 : 1), dim);
+  return split(a, (n + chunks - 1) / chunks, dim);
 }
 
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {

@@ -50,25 +50,6 @@ struct Geometry {
   static constexpr int kPad = kMaxD + 1;                 // row stride of one-row-per-lane tiles
 };
 
-// What every kernel reads of q, k and v: head bh of q starts at q + head_offset(qs, bh), etc.
-template <class T>
-struct Operands {
-  const T* q;
-  const T* k;
-  const T* v;
-  HeadStrides qs, ks, vs;
-  std::int64_t t;  // queries per head
-  std::int64_t s;  // keys per head
-  std::int64_t d;  // head dim
-  float scale;
-  bool causal;
-};
-
-template <class T>
-__device__ __forceinline__ bool visible(const Operands<T>& p, std::int64_t i, std::int64_t j) {
-  return i < p.t && j < p.s && (!p.causal || j <= i);
-}
-
 // tile[r * stride + c] = element c of row first + r of src, in f32, for r < tile_rows and
 // c < kMaxD; zero past `rows` or `d`, so that dot products over kMaxD equal those over d.
 // Consecutive threads read consecutive elements of a row.
@@ -89,7 +70,7 @@ __device__ __forceinline__ void load_tile(float* tile, int stride, int tile_rows
 // Block b: head b / q_tiles, queries from (b % q_tiles) * kRows (Note [Attention tiles]).
 template <class T, int kMaxD>
 __global__ void __launch_bounds__(kBlockThreads)
-    attention_forward_kernel(Operands<T> p, T* out, float* lse, std::int64_t q_tiles) {
+    attention_forward_kernel(AttentionOperands<T> p, T* out, float* lse, std::int64_t q_tiles) {
   using G = Geometry<kMaxD>;
   constexpr int R = G::kPerWarp, L = G::kLaneCols;
   __shared__ float q_s[G::kRows * kMaxD];  // the block's queries, broadcast to a warp
@@ -131,7 +112,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const std::int64_t i = i0 + warp * R + r;
-      const float sr = visible(p, i, j0 + lane) ? s[r] * p.scale : kNegInf;
+      const float sr = p.visible(i, j0 + lane) ? s[r] * p.scale : kNegInf;
       const float m_new = max_nan(m[r], warp_max(sr));
       // m_new stays -inf while every key so far is masked: nothing to add, nothing to rescale.
       const bool none = m_new == kNegInf;
@@ -195,7 +176,7 @@ __global__ void attention_delta_kernel(const T* out, const T* dout, HeadStrides 
 // dv_j = sum_i p_ij dout_i, dk_j = scale * sum_i ds_ij q_i (Note [Attention tiles]).
 template <class T, int kMaxD>
 __global__ void __launch_bounds__(kBlockThreads)
-    attention_dkdv_kernel(Operands<T> p, const T* dout, HeadStrides dos, const float* lse,
+    attention_dkdv_kernel(AttentionOperands<T> p, const T* dout, HeadStrides dos, const float* lse,
                           const float* delta, T* dk, T* dv, std::int64_t k_tiles) {
   using G = Geometry<kMaxD>;
   constexpr int R = G::kPerWarp, L = G::kLaneCols;
@@ -243,7 +224,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     float pr[R], ds[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const bool seen = visible(p, i, j0 + warp * R + r);
+      const bool seen = p.visible(i, j0 + warp * R + r);
       pr[r] = seen ? expf(s[r] * p.scale - lse_i) : 0.0f;
       ds[r] = seen ? pr[r] * (dp[r] - delta_i) : 0.0f;
     }
@@ -288,7 +269,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 // dq_i = scale * sum_j ds_ij k_j (Note [Attention tiles]).
 template <class T, int kMaxD>
 __global__ void __launch_bounds__(kBlockThreads)
-    attention_dq_kernel(Operands<T> p, const T* dout, HeadStrides dos, const float* lse,
+    attention_dq_kernel(AttentionOperands<T> p, const T* dout, HeadStrides dos, const float* lse,
                         const float* delta, T* dq, std::int64_t q_tiles) {
   using G = Geometry<kMaxD>;
   constexpr int R = G::kPerWarp, L = G::kLaneCols;
@@ -335,7 +316,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     float ds[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const bool seen = visible(p, i0 + warp * R + r, j0 + lane);
+      const bool seen = p.visible(i0 + warp * R + r, j0 + lane);
       ds[r] = seen ? expf(s[r] * p.scale - lse_r[r]) * (dp[r] - delta_r[r]) : 0.0f;
     }
 #pragma unroll 4
@@ -464,8 +445,8 @@ std::int64_t check_operands(const char* op, const StridedView& q, const StridedV
 }
 
 template <class T>
-Operands<T> operands(const StridedView& q, const StridedView& k, const StridedView& v,
-                     AttentionArgs args) {
+AttentionOperands<T> operands(const StridedView& q, const StridedView& k, const StridedView& v,
+                              AttentionArgs args) {
   const int n = q.ndim;
   return {.q = q.ptr<T>(),
           .k = k.ptr<T>(),
@@ -504,30 +485,23 @@ bool vector_rows(const StridedView& x, std::int64_t d, int kd) {
          hs.batch % 8 == 0 && hs.head % 8 == 0;
 }
 
+// The tensor-core kernels' operands: p, dout for the backward, which operands load 16 bytes at a
+// time for head dim kd, and the tiles of block_rows rows that cover `rows` per head.
 template <class T>
-tc::TcOperands<T> tc_operands(const StridedView& q, const StridedView& k, const StridedView& v,
-                              const StridedView* dout, AttentionArgs args, int kd,
-                              std::int64_t rows, int block_rows) {
-  const int n = q.ndim;
-  const std::int64_t d = q.shape[n - 1];
-  return {.q = q.ptr<T>(),
-          .k = k.ptr<T>(),
-          .v = v.ptr<T>(),
-          .dout = dout != nullptr ? dout->ptr<T>() : nullptr,
-          .qs = head_strides(q),
-          .ks = head_strides(k),
-          .vs = head_strides(v),
-          .dos = dout != nullptr ? head_strides(*dout) : HeadStrides{},
-          .t = q.shape[n - 2],
-          .s = k.shape[n - 2],
-          .d = d,
-          .scale = static_cast<float>(args.scale),
-          .causal = args.causal,
-          .vec_q = vector_rows(q, d, kd),
-          .vec_k = vector_rows(k, d, kd),
-          .vec_v = vector_rows(v, d, kd),
-          .vec_dout = dout != nullptr && vector_rows(*dout, d, kd),
-          .tiles = ceil_div(rows, block_rows)};
+tc::TcOperands<T> tc_operands(const AttentionOperands<T>& p, const StridedView& q,
+                              const StridedView& k, const StridedView& v, const StridedView* dout,
+                              int kd, std::int64_t rows, int block_rows) {
+  tc::TcOperands<T> tp{p};
+  if (dout != nullptr) {
+    tp.dout = dout->ptr<T>();
+    tp.dos = head_strides(*dout);
+    tp.vec_dout = vector_rows(*dout, p.d, kd);
+  }
+  tp.vec_q = vector_rows(q, p.d, kd);
+  tp.vec_k = vector_rows(k, p.d, kd);
+  tp.vec_v = vector_rows(v, p.d, kd);
+  tp.tiles = ceil_div(rows, block_rows);
+  return tp;
 }
 
 template <class F>
@@ -585,12 +559,12 @@ void attention_forward(const StridedView& q, const StridedView& k, const Strided
   MB_ASSERT(lse.is_contiguous() && lse.numel() == heads * t && lse.dtype == DType::f32,
             "[{}] lse must be contiguous f32 with {} elements", op, heads * t);
   dispatch_attention(q.dtype, op, [&]<class T>() {
-    const Operands<T> p = operands<T>(q, k, v, args);
+    const AttentionOperands<T> p = operands<T>(q, k, v, args);
     with_head_dim(p.d, [&]<int kMaxD>() {
       if constexpr (!std::is_same_v<T, float>) {
         if (use_tensor_cores()) {
           constexpr int kRows = tc::TcGeometry<kMaxD, tc::kForwardTiles<kMaxD>>::kBlockRows;
-          const tc::TcOperands<T> tp = tc_operands<T>(q, k, v, nullptr, args, kMaxD, p.t, kRows);
+          const tc::TcOperands<T> tp = tc_operands<T>(p, q, k, v, nullptr, kMaxD, p.t, kRows);
           tc_forward_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, tp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   tp, out.ptr<T>(), lse.ptr<float>());
@@ -627,7 +601,7 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
               "[{}] lse and delta must be contiguous f32 with {} elements", op, heads * t);
   }
   dispatch_attention(q.dtype, op, [&]<class T>() {
-    const Operands<T> p = operands<T>(q, k, v, args);
+    const AttentionOperands<T> p = operands<T>(q, k, v, args);
     const HeadStrides dos = head_strides(dout);
     const std::int64_t rows = heads * p.t;
     attention_delta_kernel<T><<<grid_for(rows * 32, kThreads), kThreads, 0, current_stream()>>>(
@@ -638,13 +612,13 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
         if (use_tensor_cores()) {
           constexpr int kBackwardRows = tc::TcGeometry<kMaxD, tc::kBackwardTiles>::kBlockRows;
           const tc::TcOperands<T> kp =
-              tc_operands<T>(q, k, v, &dout, args, kMaxD, p.s, kBackwardRows);
+              tc_operands<T>(p, q, k, v, &dout, kMaxD, p.s, kBackwardRows);
           tc_dkdv_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, kp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   kp, lse.ptr<float>(), delta.ptr<float>(), dk.ptr<T>(), dv.ptr<T>());
           MB_CUDA_CHECK_LAUNCH("tc_dkdv_kernel");
           const tc::TcOperands<T> qp =
-              tc_operands<T>(q, k, v, &dout, args, kMaxD, p.t, kBackwardRows);
+              tc_operands<T>(p, q, k, v, &dout, kMaxD, p.t, kBackwardRows);
           tc_dq_kernel<T, kMaxD>
               <<<tile_blocks(op, heads, qp.tiles), tc::kTcThreads, 0, current_stream()>>>(
                   qp, lse.ptr<float>(), delta.ptr<float>(), dq.ptr<T>());

@@ -212,24 +212,22 @@ void check_case(const Case& c, double tol) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
   auto vec = [&](const Layout& l) { return l.d == kD && l.strides().row % 8 == 0; };
 
-  tc::TcOperands<T> p{.q = q.data(),
-                      .k = k.data(),
-                      .v = v.data(),
-                      .dout = dout.data(),
-                      .qs = ql.strides(),
-                      .ks = kl.strides(),
-                      .vs = kl.strides(),
-                      .dos = ql.strides(),
-                      .t = c.t,
-                      .s = c.s,
-                      .d = c.d,
-                      .scale = static_cast<float>(scale),
-                      .causal = c.causal,
-                      .vec_q = vec(ql),
-                      .vec_k = vec(kl),
-                      .vec_v = vec(kl),
-                      .vec_dout = vec(ql),
-                      .tiles = (c.t + kRows - 1) / kRows};
+  tc::TcOperands<T> p{kernels::AttentionOperands<T>{.q = q.data(),
+                                                   .k = k.data(),
+                                                   .v = v.data(),
+                                                   .qs = ql.strides(),
+                                                   .ks = kl.strides(),
+                                                   .vs = kl.strides(),
+                                                   .t = c.t,
+                                                   .s = c.s,
+                                                   .d = c.d,
+                                                   .scale = static_cast<float>(scale),
+                                                   .causal = c.causal}};
+  p.dout = dout.data();
+  p.dos = ql.strides();
+  p.vec_q = p.vec_dout = vec(ql);
+  p.vec_k = p.vec_v = vec(kl);
+  p.tiles = (c.t + kRows - 1) / kRows;
 
   // Forward: out and lse, contiguous (B * H, T, D) and (B * H, T).
   std::vector<T> out(heads * c.t * c.d, T(-7.0f));
