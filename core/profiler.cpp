@@ -97,9 +97,12 @@ enum class Wait { no, yes };
 void fold(State& s, Wait wait) {
   while (!s.pending.empty()) {
     const Pending& p = s.pending.front();
+    // Both events: a scope the current stream changed in has them on two streams, and then the
+    // end's completion says nothing of the start's.
     if (wait == Wait::yes) {
+      events::wait(p.start);
       events::wait(p.end);
-    } else if (!events::done(p.end)) {
+    } else if (!events::done(p.end) || !events::done(p.start)) {
       return;
     }
     const double ms = events::elapsed_ms(p.start, p.end);

@@ -25,7 +25,13 @@ void record(Event e, int device) {
 
 bool done(Event e) {
   const cudaError_t status = cudaEventQuery(as_cuda(e));
-  if (status == cudaErrorNotReady) return false;
+  if (status == cudaErrorNotReady) {
+    // "Not ready" is an answer, not a failure, but the runtime also keeps it as this thread's
+    // last error: cleared here, or the next launch check would report it as its own. A real
+    // asynchronous error is sticky and shows again at the next call.
+    (void)cudaGetLastError();
+    return false;
+  }
   MB_CUDA_CHECK(status);
   return true;
 }

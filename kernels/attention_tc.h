@@ -109,8 +109,9 @@ struct TcGeometry {
 };
 
 /// Row tiles per warp of each kernel. Two halve the forward's shared-memory reads per MMA; the
-/// backward kernels keep one, as their accumulators already take ~170 registers (two take 250,
-/// one block per SM fewer). Not yet tuned on a GPU.
+/// backward kernels keep one, as with one they already take 200-255 registers at D = 64 and 128
+/// (ptxas for sm_90, CUDA 13: dk/dv f16 D = 64 sits at the 255 cap, without spills; check with
+/// -Xptxas -v after changing them). Not yet tuned on a GPU.
 template <int kD>
 inline constexpr int kForwardTiles = kD == 128 ? 1 : 2;
 inline constexpr int kBackwardTiles = 1;

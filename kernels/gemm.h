@@ -48,6 +48,18 @@ namespace cuda {
 /// their dtype, or f32 for 16-bit a and b. alpha and beta are applied in the accumulation type.
 void gemm(const StridedView& a, const StridedView& b, const StridedView& c, double alpha,
           double beta);
+
+/// c = a @ b + bias, the bias (N,) added to every row of c (1, M, N) in the f32 accumulation and
+/// rounded once, by cuBLASLt's bias epilogue where it applies, else by writing the bias rows and
+/// adding the product onto them (Note [Bias in the GEMM's epilogue] in kernels/cuda/gemm.cu).
+/// a (1, M, K) and b (1, K, N) as for gemm; bias has c's dtype. Overwrites c.
+void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bias,
+               const StridedView& c);
+
+/// Whether gemm_bias uses the epilogue where it applies: on unless MB_CUBLASLT_EPILOGUE=0 (read
+/// at first use); set_gemm_bias_epilogue changes it for the process (tests compare both ways).
+bool gemm_bias_epilogue();
+void set_gemm_bias_epilogue(bool on);
 }  // namespace cuda
 
 }  // namespace microbatch::kernels

@@ -182,17 +182,25 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
     Tensor x2 = gemm_ready(x.reshape({1, m, k}).to(math), backend);        // (1, M, K)
     Tensor wt = gemm_ready(weight.to(math).t().unsqueeze(0), backend);     // (1, K, N)
     Tensor o = math == dt ? out : empty({m, n}, {.dtype = math, .device = x.device()});  // (M, N)
-    // The bias is copied into the output rows and the GEMM adds onto it (beta = 1): one rounding,
-    // no extra pass, and the same on both backends.
+    // The bias is added to the f32 sum and rounded with it, once: on CUDA in cuBLASLt's epilogue
+    // (Note [Bias in the GEMM's epilogue] in kernels/cuda/gemm.cu); on the CPU it is copied into
+    // the output rows and the GEMM adds onto it (beta = 1).
+    const bool fused_bias = bias.defined() && backend == Backend::cuda;
     double beta = 0.0;
-    if (bias.defined()) {
+    if (bias.defined() && !fused_bias) {
       o.copy_(bias.expand({m, n}));
       beta = 1.0;
     }
     launch(
         "linear", x.device(),
         [&] { kernels::cpu::gemm(x2.kview(), wt.kview(), o.unsqueeze(0).kview(), 1.0, beta); },
-        [&] { kernels::cuda::gemm(x2.kview(), wt.kview(), o.unsqueeze(0).kview(), 1.0, beta); });
+        [&] {
+          if (fused_bias) {
+            kernels::cuda::gemm_bias(x2.kview(), wt.kview(), bias.kview(), o.unsqueeze(0).kview());
+          } else {
+            kernels::cuda::gemm(x2.kview(), wt.kview(), o.unsqueeze(0).kview(), 1.0, beta);
+          }
+        });
     if (!o.same_storage(out)) out.copy_(o);
   }
   record("linear", {x, weight, bias}, out,

@@ -9,10 +9,26 @@
 // wants (CUBLAS_OP_N, ld = row stride); one stored column-major (row stride 1: a transposed view)
 // is passed with CUBLAS_OP_T and ld = column stride. blas_matrix (kernels/gemm.h) decides which.
 //
+// Note [Bias in the GEMM's epilogue]: linear's forward adds its bias in cuBLASLt's epilogue
+// (CUBLASLT_EPILOGUE_BIAS, as torch's addmm does): the bias joins the f32 accumulator and the sum is
+// rounded once, without first writing the bias into every output row and reading the rows back
+// (at GPT-2 small's micro-batch 8 those two passes move about 2.7 GB per step). The algorithm the
+// Lt heuristic picks is kept per shape, layout and pointer alignments. Where Lt has none (f64,
+// f32 output from 16-bit inputs, a batch, a strided bias) or MB_CUBLASLT_EPILOGUE=0, the rows are
+// written first and cublasGemmStridedBatchedEx adds the product onto them (beta = 1): the same sum,
+// possibly added in another order.
+//
 // Precision: f32 runs with CUBLAS_COMPUTE_32F, never TF32 (f32 means f32); f16 and bf16 inputs
 // accumulate in f32 (CUBLAS_COMPUTE_32F, tensor cores) and round once into a 16-bit or f32 C; f64
 // runs in f64. alpha and beta are passed in the compute type (float, or double for f64).
 #include <climits>
+#include <compare>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -80,6 +96,79 @@ Operand operand(const char* name, const StridedView& v, std::int64_t batch, cons
   return o;
 }
 
+// c's rows = bias, the fallback's first step: the GEMM then adds onto them (beta = 1).
+template <class T>
+__global__ void bias_rows_kernel(T* c, std::int64_t row_stride, std::int64_t col_stride,
+                                 const T* bias, std::int64_t bias_stride, std::int64_t rows,
+                                 std::int64_t cols) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = global_thread(); i < n; i += grid_threads()) {
+    const std::int64_t row = i / cols, col = i % cols;
+    c[row * row_stride + col * col_stride] = bias[col * bias_stride];
+  }
+}
+
+// The largest power of two up to 256 that divides the address: the alignment cuBLASLt is told.
+std::uint32_t alignment_of(const void* p) {
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
+  std::uint32_t a = 256;
+  while (a > 1 && address % a != 0) a /= 2;
+  return a;
+}
+
+// What the algorithm cuBLASLt picks depends on: the device, the type, the transposes, the sizes,
+// the leading dimensions and the alignments of the four pointers.
+struct LtKey {
+  int device;
+  DType dtype;
+  int op_b, op_a;
+  std::int64_t m, n, k, ldb, lda, ldc;
+  std::uint32_t align_b, align_a, align_c, align_bias;
+  auto operator<=>(const LtKey&) const = default;
+};
+
+std::mutex g_lt_mutex;
+std::map<LtKey, std::optional<cublasLtMatmulAlgo_t>>& lt_algos() {  // nullopt: none offered
+  static auto* algos = new std::map<LtKey, std::optional<cublasLtMatmulAlgo_t>>();
+  return *algos;
+}
+
+// Owners of the Lt descriptors of one call.
+struct LtDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  LtDescs() = default;
+  LtDescs(const LtDescs&) = delete;
+  LtDescs& operator=(const LtDescs&) = delete;
+  ~LtDescs() {
+    if (pref != nullptr) (void)cublasLtMatmulPreferenceDestroy(pref);
+    if (c != nullptr) (void)cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) (void)cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) (void)cublasLtMatrixLayoutDestroy(a);
+    if (op != nullptr) (void)cublasLtMatmulDescDestroy(op);
+  }
+};
+
+template <class V>
+void set_desc(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& value) {
+  MB_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &value, sizeof(value)));
+}
+template <class V>
+void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+              const V& value) {
+  MB_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
+}
+
+// Whether the bias epilogue is wanted: on unless MB_CUBLASLT_EPILOGUE is "0" (read once).
+bool& epilogue_wanted() {
+  static bool wanted = [] {
+    const char* env = std::getenv("MB_CUBLASLT_EPILOGUE");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  return wanted;
+}
+
 }  // namespace
 
 void gemm(const StridedView& a, const StridedView& b, const StridedView& c, double alpha,
@@ -135,6 +224,116 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
       alpha_ptr, b.data, in_type, static_cast<int>(ob.ld), ob.batch_stride, a.data, in_type,
       static_cast<int>(oa.ld), oa.batch_stride, beta_ptr, c.data, out_type, static_cast<int>(mc.ld),
       c_batch_stride, static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+bool gemm_bias_epilogue() { return epilogue_wanted(); }
+void set_gemm_bias_epilogue(bool on) { epilogue_wanted() = on; }
+
+void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bias,
+               const StridedView& c) {
+  MB_CHECK(a.ndim == 3 && b.ndim == 3 && c.ndim == 3 && c.shape[0] == 1,
+           "[gemm_bias] expected 3-d views with one batch: a {}, b {}, c {}", describe(a),
+           describe(b), describe(c));
+  const std::int64_t m = c.shape[1], n = c.shape[2], k = a.shape[2];
+  MB_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == c.dtype,
+           "[gemm_bias] bias {} must be ({},) of c's dtype: c {}", describe(bias), n, describe(c));
+  MB_CHECK(a.shape[1] == m && b.shape[1] == k && b.shape[2] == n,
+           "[gemm_bias] shapes do not chain: a {} @ b {} -> c {}", describe(a), describe(b),
+           describe(c));
+  if (m == 0 || n == 0) return;
+
+  // The Lt path: one product, 16-bit or f32 in and out alike, a packed bias, a row-major c.
+  const bool lt_types = a.dtype == b.dtype && a.dtype == c.dtype &&
+                        (a.dtype == DType::f32 || a.dtype == DType::f16 || a.dtype == DType::bf16);
+  const BlasMatrix mc = blas_matrix(m, n, c.strides[1], c.strides[2]);
+  const BlasMatrix ma = blas_matrix(m, k, a.strides[1], a.strides[2]);
+  const BlasMatrix mb = blas_matrix(k, n, b.strides[1], b.strides[2]);
+  const bool lt_layout = k > 0 && a.shape[0] == 1 && b.shape[0] == 1 && mc.ok && mc.row_major &&
+                         ma.ok && mb.ok && (n == 1 || bias.strides[0] == 1) && m <= INT_MAX &&
+                         n <= INT_MAX && k <= INT_MAX;
+  if (epilogue_wanted() && lt_types && lt_layout) {
+    // D^T (N, M) = op(B) (N, K) @ op(A) (K, M) + bias over D^T's rows (Note [Row-major GEMM on
+    // cuBLAS]): cuBLASLt's first operand is b, its second a.
+    const cublasOperation_t op_b = mb.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
+    const cublasOperation_t op_a = ma.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
+    const cudaDataType_t type = blas_type(c.dtype);
+    int device = 0;
+    MB_CUDA_CHECK(cudaGetDevice(&device));
+    const LtKey key{.device = device,
+                    .dtype = c.dtype,
+                    .op_b = static_cast<int>(op_b),
+                    .op_a = static_cast<int>(op_a),
+                    .m = m,
+                    .n = n,
+                    .k = k,
+                    .ldb = mb.ld,
+                    .lda = ma.ld,
+                    .ldc = mc.ld,
+                    .align_b = alignment_of(b.data),
+                    .align_a = alignment_of(a.data),
+                    .align_c = alignment_of(c.data),
+                    .align_bias = alignment_of(bias.data)};
+    LtDescs d;
+    MB_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSA, op_b);
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSB, op_a);
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.data);
+    // The stored matrices: op N reads (rows, cols) as given, op T their transpose.
+    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, type, op_b == CUBLAS_OP_N ? n : k,
+                                               op_b == CUBLAS_OP_N ? k : n, mb.ld));
+    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, type, op_a == CUBLAS_OP_N ? k : m,
+                                               op_a == CUBLAS_OP_N ? m : k, ma.ld));
+    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, type, n, m, mc.ld));
+    std::size_t workspace_bytes = 0;
+    void* workspace = cublas_workspace(&workspace_bytes);
+
+    std::optional<cublasLtMatmulAlgo_t> algo;
+    {
+      std::lock_guard lock(g_lt_mutex);
+      auto it = lt_algos().find(key);
+      if (it != lt_algos().end()) {
+        algo = it->second;
+      } else {
+        MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+        // Split-K partial sums in f32, never in a 16-bit output type (as gemm's math mode).
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                 static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
+        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
+        cublasLtMatmulHeuristicResult_t result{};
+        int found = 0;
+        const cublasStatus_t status =
+            cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), d.op, d.a, d.b, d.c, d.c, d.pref, 1,
+                                           &result, &found);
+        if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+          algo = result.algo;
+        } else {
+          MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
+                   "[gemm_bias] cublasLtMatmulAlgoGetHeuristic failed: {}",
+                   cublas_status_name(status));
+        }
+        lt_algos().emplace(key, algo);
+      }
+    }
+    if (algo) {
+      const float one = 1.0f, zero = 0.0f;
+      MB_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero,
+                                     c.data, d.c, c.data, d.c, &*algo, workspace, workspace_bytes,
+                                     current_stream()));
+      return;
+    }
+  }
+  // Without the epilogue: the bias rows first, then the product added onto them.
+  dispatch_float(c.dtype, "gemm_bias", [&]<class T>() {
+    bias_rows_kernel<T><<<grid_for(m * n, kThreads), kThreads, 0, current_stream()>>>(
+        c.ptr<T>(), c.strides[1], c.strides[2], bias.ptr<T>(), bias.strides[0], m, n);
+    MB_CUDA_CHECK_LAUNCH("bias_rows_kernel");
+  });
+  gemm(a, b, c, 1.0, 1.0);
 }
 
 }  // namespace microbatch::kernels::cuda

@@ -63,6 +63,11 @@ void attention_backward(const StridedView&, const StridedView&, const StridedVie
 
 // ---- gemm, conv (kernels/gemm.h, conv.h) ----
 void gemm(const StridedView&, const StridedView&, const StridedView&, double, double) { no_cuda("cuda::gemm"); }
+void gemm_bias(const StridedView&, const StridedView&, const StridedView&, const StridedView&) {
+  no_cuda("cuda::gemm_bias");
+}
+bool gemm_bias_epilogue() { return false; }  // no device, no epilogue
+void set_gemm_bias_epilogue(bool) {}
 void im2col(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::im2col"); }
 void col2im(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::col2im"); }
 void max_pool2d(const StridedView&, const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::max_pool2d"); }

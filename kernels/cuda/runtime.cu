@@ -17,6 +17,7 @@ struct PerDevice {
   cudaStream_t stream = nullptr;  // nullptr: the legacy default stream
   cublasHandle_t cublas = nullptr;
   void* cublas_workspace = nullptr;
+  cublasLtHandle_t cublaslt = nullptr;
   int sm_count = 0;
 #ifdef MB_HAVE_CUDNN
   cudnnHandle_t cudnn = nullptr;
@@ -82,6 +83,19 @@ cublasHandle_t cublas_handle() {
     MB_CUBLAS_CHECK(cublasSetStream(d.cublas, d.stream));  // set_current_stream keeps it current
   }
   return d.cublas;
+}
+
+cublasLtHandle_t cublaslt_handle() {
+  PerDevice& d = per_device(current_device());
+  std::lock_guard lock(g_create_mutex);
+  if (d.cublaslt == nullptr) MB_CUBLAS_CHECK(cublasLtCreate(&d.cublaslt));
+  return d.cublaslt;
+}
+
+void* cublas_workspace(std::size_t* bytes) {
+  (void)cublas_handle();  // makes the workspace with the handle
+  *bytes = kCublasWorkspaceBytes;
+  return per_device(current_device()).cublas_workspace;
 }
 
 int multiprocessor_count() {

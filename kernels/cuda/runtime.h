@@ -2,6 +2,7 @@
 // bound to it, error checks for launches and libraries. Included by .cu files only.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -22,6 +23,13 @@ void set_current_stream(cudaStream_t stream);
 
 /// cuBLAS handle of the current device, bound to current_stream(), with its workspace set.
 cublasHandle_t cublas_handle();
+
+/// cuBLASLt handle of the current device (made on first use; Lt calls take the stream themselves).
+cublasLtHandle_t cublaslt_handle();
+
+/// The current device's cuBLAS workspace and its size in bytes. cuBLASLt calls use it too: every
+/// library call goes on current_stream(), so no two of them use it at once.
+void* cublas_workspace(std::size_t* bytes);
 
 /// Streaming multiprocessors on the current device (cached).
 int multiprocessor_count();

@@ -6,6 +6,7 @@
 // softmax, prefetching, fragment loads and operand layouts against attention computed in f64 from
 // the same 16-bit inputs. They cannot check the hardware itself; the CUDA parity cases in
 // test_cuda_attention.cpp and test_cuda_nn.cpp do that where a GPU is present.
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +35,10 @@ struct EmulatedBlock {
   tc::TcA a[tc::kTcWarps][32] = {};
   tc::TcB b[tc::kTcWarps][32] = {};
   std::vector<std::uint16_t> smem;
+  // ldmatrix row addresses that were not 16-byte aligned within smem or did not lie in it, and the
+  // byte offset of the first such (run_grid checks that there are none).
+  std::atomic<int> bad_rows{0};
+  std::atomic<std::int64_t> first_bad_row{0};
 
   explicit EmulatedBlock(int shared_halves) : smem(shared_halves, 0xffff) {
     for (int w = 0; w < tc::kTcWarps; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
@@ -67,6 +72,7 @@ class EmulatedThread {
   // 8 i + r points at; with kTrans, elements (2 (l % 4) + {0, 1}, l / 4).
   template <bool kTrans>
   void ldmatrix(std::uint32_t (&r)[4], const std::uint16_t* row) {
+    check_row(row);
     block_->rows[warp()][lane()] = row;
     warp_sync();
     const int l = lane();
@@ -100,6 +106,18 @@ class EmulatedThread {
   int lane() const { return thread_ & 31; }
   void warp_sync() { block_->warps[warp()]->arrive_and_wait(); }
 
+  // An ldmatrix row is 16 bytes of shared memory that four lanes load together: its address must
+  // be 16-byte aligned (PTX ISA, ldmatrix; the GPU's shared array is __align__(16), so the offset
+  // from its start decides) and the row must lie within the block's shared memory.
+  void check_row(const std::uint16_t* row) {
+    const std::int64_t offset = static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(row) -
+                                                          reinterpret_cast<std::uintptr_t>(
+                                                              block_->smem.data()));
+    const std::int64_t bytes = static_cast<std::int64_t>(block_->smem.size()) * 2;
+    if (offset % 16 == 0 && offset >= 0 && offset + 16 <= bytes) return;
+    if (block_->bad_rows.fetch_add(1) == 0) block_->first_bad_row = offset;
+  }
+
   // A[row][k]: lane 4 * (row % 8) + (k % 8) / 2, register (row >= 8) + 2 * (k >= 8), half k % 2.
   template <class T>
   float a_at(int row, int k) const {
@@ -131,6 +149,10 @@ void run_grid(std::int64_t blocks, Body body) {
       });
     }
     for (std::thread& th : threads) th.join();
+    INFO("block " << blk << ": " << shared.bad_rows.load()
+                  << " ldmatrix rows misaligned or outside shared memory, the first at byte offset "
+                  << shared.first_bad_row.load());
+    REQUIRE(shared.bad_rows.load() == 0);
   }
 }
 

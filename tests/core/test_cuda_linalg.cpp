@@ -309,6 +309,43 @@ MB_CUDA_TEST_CASE("cuda linear: with and without bias, forward and backward") {
   }
 }
 
+MB_CUDA_TEST_CASE("cuda linear: the bias in cuBLASLt's epilogue equals bias rows plus the product") {
+  // The same linear with the epilogue and without it (bias rows written first, beta = 1), for
+  // packed and 2-byte-aligned biases, one row or one column, and a transposed input.
+  struct Restore {
+    bool was = kernels::cuda::gemm_bias_epilogue();
+    ~Restore() { kernels::cuda::set_gemm_bias_epilogue(was); }
+  } restore;
+  struct Shape3 {
+    std::int64_t m, k, n;
+  };
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (Shape3 s : {Shape3{1, 1, 1}, Shape3{5, 33, 31}, Shape3{1, 64, 129}, Shape3{257, 96, 1},
+                     Shape3{512, 768, 2304}}) {
+      CAPTURE(dtype_name(dt));
+      CAPTURE(s.m);
+      CAPTURE(s.n);
+      const Device gpu = cuda_device(0);
+      const Tensor x = input({s.m, s.k}, -1, 1, 1).to(gpu, dt);
+      const Tensor xt = input({s.k, s.m}, -1, 1, 1).to(gpu, dt).t();
+      const Tensor w = input({s.n, s.k}, -1, 1, 2).to(gpu, dt);
+      const Tensor wide = input({s.n + 1}, -1, 1, 3).to(gpu, dt);
+      for (const Tensor& b : {wide.slice(0, 0, s.n), wide.slice(0, 1, s.n + 1)}) {
+        for (const Tensor& in : {x, xt}) {
+          kernels::cuda::set_gemm_bias_epilogue(true);
+          const Tensor fused = linear(in, w, b).to(kCPU).to(DType::f64);
+          kernels::cuda::set_gemm_bias_epilogue(false);
+          const Tensor rows = linear(in, w, b).to(kCPU).to(DType::f64);
+          const Tensor cpu = linear(in.to(kCPU), w.to(kCPU), b.to(kCPU)).to(DType::f64);
+          const ParityOptions tol = parity_tolerance(dt);
+          check_close(fused, rows, tol.rtol, tol.atol, "epilogue vs bias rows");
+          check_close(fused, cpu, tol.rtol, tol.atol, "epilogue vs CPU");
+        }
+      }
+    }
+  }
+}
+
 MB_CUDA_TEST_CASE(
     "cuda linear: the weight gradient accumulates into an arena slot like the CPU's") {
   // Two micro-batches with weight 0.25 each, into a preset gradient buffer: grad += 0.25 * dy^T x.

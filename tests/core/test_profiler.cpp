@@ -226,13 +226,18 @@ MB_CUDA_TEST_CASE("profiler: CUDA scopes are timed with events on the stream") {
     const std::vector<Tensor> p = leaves(cuda, dtype);
     profiler::Session session;
     three_matmuls(p);
-    // More scopes than the profiler lets pend before it reads completed events without waiting.
+    // More scopes than the profiler lets pend before it reads completed events without waiting,
+    // queued behind about 20 ms of GEMMs so that the device lags: the profiler then meets events
+    // that are not ready yet, and the launches after that must not take "not ready" for an error.
+    Tensor big = ones({4096, 4096}, {.dtype = DType::f32, .device = cuda});
+    for (int i = 0; i < 8; ++i) big = matmul(big, big) * (1.0 / 4096);
     Tensor x = ones({1000003}, {.dtype = dtype, .device = cuda});
     Tensor y = x;
     for (int i = 0; i < 1500; ++i) y = y + x;
+    CHECK(big.to(kCPU).slice(0, 0, 1).slice(1, 0, 1).item() == 1.0);
     const profiler::ProfileReport r = profiler::report();
-    CHECK(calls(r, "matmul") == 3);
-    CHECK(row(r, "matmul").device_calls == 3);
+    CHECK(calls(r, "matmul") == 3 + 8);
+    CHECK(row(r, "matmul").device_calls == 3 + 8);
     CHECK(calls(r, "matmul backward") == 3);
     CHECK(row(r, "matmul backward").device_calls == 3);
     CHECK(calls(r, "add") == 1500);
