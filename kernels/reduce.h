@@ -53,8 +53,9 @@ namespace cuda {
 /// As cpu::reduce_rows, on the current device's stream. Each row is reduced by a thread, a warp
 /// or a block (by its length) in a fixed tree, so results do not change from run to run.
 void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner);
-/// out[c] = sum over r of in[r * cols + c] for a contiguous input of (rows, cols) elements and a
-/// contiguous out of cols (Note [Column sums]), accumulating as reduce_rows' Sum. `partials` is a
+/// out[c] = sum over r of in[r * cols + c] for a contiguous input of (rows, cols) elements, or of
+/// in[r * ld + c] for a 2-d (rows, cols) view with strides (ld >= cols, 1), and a contiguous out of
+/// cols (Note [Column sums]), accumulating as reduce_rows' Sum. `partials` is a
 /// contiguous (column_split(rows, cols).chunks, cols) f64 workspace (i64 for integer and bool
 /// input), overwritten; out is overwritten.
 void sum_columns(const StridedView& out, const StridedView& in, std::int64_t cols,

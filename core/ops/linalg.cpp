@@ -26,6 +26,20 @@ Tensor gemm_ready(const Tensor& t, Backend backend) {
   return (row || col) ? t : t.contiguous();
 }
 
+// Note [Padded rows]: on CUDA, a 16-bit linear whose output rows are not a whole number of 16-byte
+// units (GPT-2's 50257-wide logits) gets rows padded to the next 16 bytes, and returns the (M, N)
+// view of them. Unaligned rows keep cuBLAS's tensor-core kernels from loading them 16 bytes at a
+// time (and from using the TMA, which needs 16-byte strides), both when the GEMM writes them and when
+// the backward's GEMMs read their gradient; the cross-entropy kernels then run scalar heads on
+// every row. The rows' consumers take them where they lie: cross_entropy on CUDA reads the padded
+// rows and writes dlogits with the same padding, and reshapes of the leading dims stay views. The
+// padding (at most 7 elements per row) is never read. The CPU, which copies 16-bit operands to f32
+// anyway, keeps dense rows; meta mirrors the backend it stands in for.
+std::int64_t padded_row(std::int64_t m, std::int64_t n, DType dt, Backend backend) {
+  if (backend != Backend::cuda || !is_16bit_float(dt) || m <= 1 || n % 8 == 0) return n;
+  return (n + 7) / 8 * 8;
+}
+
 // The dtype a GEMM on `backend` reads operands of dtype dt in (Note [16-bit GEMMs by backend]).
 DType gemm_math(DType dt, Backend backend) {
   if (backend == Backend::cuda || dt == DType::f64) return dt;
@@ -174,7 +188,9 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Shape out_shape(x.shape().begin(), x.shape().end() - 1);
   out_shape.push_back(n);
   const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
-  Tensor out = empty({m, n}, {.dtype = dt, .device = x.device()});
+  const std::int64_t ld = padded_row(m, n, dt, backend);
+  Tensor out = empty({m, ld}, {.dtype = dt, .device = x.device()});
+  if (ld != n) out = out.slice(1, 0, n);  // (M, N) rows of ld elements (Note [Padded rows])
   {
     // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once
     // (Note [16-bit GEMMs by backend]). Copies are made outside launch() so that meta sees them.

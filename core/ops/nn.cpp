@@ -95,10 +95,15 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
   const DType loss_dt = options.loss_dtype.value_or(logits.dtype()), math = math_dtype(logits.dtype());
   const kernels::CrossEntropyArgs args{.ignore_index = options.ignore_index,
                                        .label_smoothing = options.label_smoothing};
+  // CUDA reads rows where they lie, padded ones included (Note [Padded rows] in
+  // core/ops/linalg.cpp); the CPU reads dense rows.
+  const bool cuda = backend_of(logits.device()) == Backend::cuda;
+  const auto& st = logits.strides();
+  const bool rows_view = (c == 1 || st[1] == 1) && (n <= 1 || st[0] >= c);
   Tensor x;
   {
     NoGradGuard no_grad;
-    x = logits.contiguous();
+    x = cuda && rows_view ? logits : logits.contiguous();
   }
   Tensor rows = empty({n}, {.dtype = math, .device = logits.device()});  // (N) per-row loss
   Tensor stats =
@@ -155,7 +160,11 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
                g_row = (gm / count).reshape({1}).expand({n});
                break;
            }
-           Tensor dlogits = empty({n, c}, {.dtype = xv.dtype(), .device = xv.device()});  // (N, C)
+           // (N, C), with the logits' row padding, if any: the GEMMs that read it want it too.
+           const std::int64_t pad = n > 1 ? xv.strides()[0] - c : 0;
+           const std::int64_t ld = pad > 0 && pad < 8 ? c + pad : c;
+           Tensor dlogits = empty({n, ld}, {.dtype = xv.dtype(), .device = xv.device()});
+           if (ld != c) dlogits = dlogits.slice(1, 0, c);
            launch(
                "cross_entropy", xv.device(),
                [&] {

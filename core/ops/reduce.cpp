@@ -41,8 +41,14 @@ ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, b
 }
 
 // The number of columns when `a` is a contiguous (rows, cols) matrix whose rows are the reduced
-// dims, both sides holding more than one element (dims of size 1 may sit anywhere); 0 otherwise.
+// dims, both sides holding more than one element (dims of size 1 may sit anywhere), or a 2-d
+// (rows, cols) view of unit-stride rows (padded ones: Note [Padded rows] in core/ops/linalg.cpp)
+// summed over its rows; 0 otherwise.
 std::int64_t leading_columns(const Tensor& a, const ReducePlan& p) {
+  if (a.dim() == 2 && p.reduced[0] && !p.reduced[1] && a.shape()[0] > 1 && a.shape()[1] > 1 &&
+      a.strides()[1] == 1 && a.strides()[0] >= a.shape()[1]) {
+    return a.shape()[1];
+  }
   if (!a.is_contiguous()) return 0;
   std::int64_t cols = 1;
   for (int i = 0; i < a.dim(); ++i) {

@@ -299,6 +299,13 @@ __global__ void softmax_backward_kernel(SoftmaxKind kind, T* dx, const T* y, con
 
 // ---- cross-entropy -----------------------------------------------------------------------------
 
+// A 2-d view whose rows are unit-stride and do not overlap (Note [Padded rows] in
+// core/ops/linalg.cpp): the cross-entropy kernels take such rows where they lie.
+bool rows_view(const StridedView& v) {
+  return v.ndim == 2 && (v.shape[1] <= 1 || v.strides[1] == 1) &&
+         (v.shape[0] <= 1 || v.strides[0] >= v.shape[1]);
+}
+
 // A row's target, or -1 when the row contributes nothing (ignored, or out of [0, cols): the op's
 // check_index_range reports the latter without a host synchronisation).
 template <class I>
@@ -311,10 +318,10 @@ __device__ __forceinline__ std::int64_t live_target(const I* target, std::int64_
 
 template <class T, class I, RowGroup G>
 __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t loss_stride,
-                                             compute_t<T>* stats, const T* logits, const I* target,
-                                             std::int64_t target_stride, std::int64_t rows,
-                                             std::int64_t cols, std::int64_t ignore_index,
-                                             double smoothing) {
+                                             compute_t<T>* stats, const T* logits, std::int64_t ld,
+                                             const I* target, std::int64_t target_stride,
+                                             std::int64_t rows, std::int64_t cols,
+                                             std::int64_t ignore_index, double smoothing) {
   using A = compute_t<T>;
   __shared__ A scratch[64];
   const RowLoop loop = row_loop<G>();
@@ -326,7 +333,7 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
       if (loop.lane == 0) loss[row * loss_stride] = stats[2 * row] = stats[2 * row + 1] = A(0);
       continue;
     }
-    const T* x = logits + row * cols;
+    const T* x = logits + row * ld;
     const A xt = loop.lane == 0 ? load<T>(x, t) : A(0);  // issued before the row pass
     // Smoothing's sum(x - max) is summed in the same pass as sum(x - x0), shifted by the row's
     // first value so that values far from zero keep their precision (0 where x0 is not finite).
@@ -365,8 +372,9 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
 // and writes dlogits in packs where the two rows share an offset from a 16-byte boundary (Note
 // [Row packs]).
 template <class T, class I, RowGroup G>
-__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits,
-                                              const compute_t<T>* stats, const I* target,
+__global__ void cross_entropy_backward_kernel(T* dlogits, std::int64_t dld, const T* logits,
+                                              std::int64_t ld, const compute_t<T>* stats,
+                                              const I* target,
                                               std::int64_t target_stride, const compute_t<T>* g,
                                               std::int64_t g_stride, std::int64_t rows,
                                               std::int64_t cols, std::int64_t ignore_index,
@@ -375,12 +383,12 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits,
   const RowLoop loop = row_loop<G>();
   for (std::int64_t row = loop.first; row < rows; row += loop.step) {
     const std::int64_t t = live_target(target, target_stride, row, cols, ignore_index);
-    T* d = dlogits + row * cols;
+    T* d = dlogits + row * dld;
     if (t < 0) {
       for (std::int64_t j = loop.lane; j < cols; j += loop.size) store<T>(d, j, A(0));
       continue;
     }
-    const T* x = logits + row * cols;
+    const T* x = logits + row * ld;
     const A max = stats[2 * row], log_sum = stats[2 * row + 1], gi = g[row * g_stride];
     visit_row(x, cols, split_of(x, static_cast<const T*>(d), cols), loop,
               [&]<int N>(std::int64_t j, const A(&v)[N]) {
@@ -589,8 +597,8 @@ void softmax_backward(SoftmaxKind kind, const StridedView& dx, const StridedView
 void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
                            const StridedView& logits, const StridedView& target,
                            CrossEntropyArgs args) {
-  MB_ASSERT(logits.is_contiguous() && logits.ndim == 2 && stats.is_contiguous(),
-            "cross_entropy logits must be contiguous (N, C), stats (N, 2)");
+  MB_ASSERT(logits.ndim == 2 && rows_view(logits) && stats.is_contiguous(),
+            "cross_entropy logits must be (N, C) rows with unit column stride, stats (N, 2)");
   const std::int64_t rows = logits.shape[0], cols = logits.shape[1];
   if (rows == 0) return;
   dispatch_float(logits.dtype, "cross_entropy", [&]<class T>() {
@@ -599,8 +607,9 @@ void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
       with_row_group(cols, [&]<RowGroup G>() {
         cross_entropy_forward_kernel<T, I, G>
             <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
-                loss.ptr<A>(), loss.strides[0], stats.ptr<A>(), logits.ptr<T>(), target.ptr<I>(),
-                target.strides[0], rows, cols, args.ignore_index, args.label_smoothing);
+                loss.ptr<A>(), loss.strides[0], stats.ptr<A>(), logits.ptr<T>(), logits.strides[0],
+                target.ptr<I>(), target.strides[0], rows, cols, args.ignore_index,
+                args.label_smoothing);
         MB_CUDA_CHECK_LAUNCH("cross_entropy_forward_kernel");
       });
     });
@@ -610,8 +619,9 @@ void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
 void cross_entropy_backward(const StridedView& dlogits, const StridedView& logits,
                             const StridedView& stats, const StridedView& target,
                             const StridedView& g, CrossEntropyArgs args) {
-  MB_ASSERT(logits.is_contiguous() && dlogits.is_contiguous() && logits.ndim == 2,
-            "cross_entropy logits and dlogits must be contiguous (N, C)");
+  MB_ASSERT(logits.ndim == 2 && dlogits.ndim == 2 && rows_view(logits) && rows_view(dlogits) &&
+                dlogits.shape[0] == logits.shape[0] && dlogits.shape[1] == logits.shape[1],
+            "cross_entropy logits and dlogits must be (N, C) rows with unit column stride");
   const std::int64_t rows = logits.shape[0], cols = logits.shape[1];
   if (rows == 0) return;
   const double s = args.label_smoothing;
@@ -624,7 +634,8 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
       with_row_group(cols, [&]<RowGroup G>() {
         cross_entropy_backward_kernel<T, I, G>
             <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
-                dlogits.ptr<T>(), logits.ptr<T>(), stats.ptr<A>(), target.ptr<I>(),
+                dlogits.ptr<T>(), dlogits.strides[0], logits.ptr<T>(), logits.strides[0],
+                stats.ptr<A>(), target.ptr<I>(),
                 target.strides[0], g.ptr<A>(), g.strides[0], rows, cols, args.ignore_index, off,
                 on);
         MB_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");

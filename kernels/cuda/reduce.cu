@@ -165,8 +165,8 @@ static_assert(kColumnSumTile == 32, "a column-sum block's warps each read one ti
 // flight together) and adds in row order.
 template <class R, class T>
 __global__ void __launch_bounds__(kColumnThreads)
-    sum_columns_partial(typename R::Acc* partials, const T* in, std::int64_t rows,
-                        std::int64_t cols, std::int64_t rows_per_chunk) {
+    sum_columns_partial(typename R::Acc* partials, const T* in, std::int64_t ld,
+                        std::int64_t rows, std::int64_t cols, std::int64_t rows_per_chunk) {
   using Acc = typename R::Acc;
   constexpr int kUnroll = 8;
   __shared__ Acc scratch[kColumnWarps][kColumnSumTile];
@@ -180,11 +180,11 @@ __global__ void __launch_bounds__(kColumnThreads)
     for (; r + (kUnroll - 1) * kColumnWarps < end; r += kUnroll * kColumnWarps) {
       T x[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) x[u] = in[(r + u * kColumnWarps) * cols + col];
+      for (int u = 0; u < kUnroll; ++u) x[u] = in[(r + u * kColumnWarps) * ld + col];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) acc = R::combine(acc, R::element(x[u], 0));
     }
-    for (; r < end; r += kColumnWarps) acc = R::combine(acc, R::element(in[r * cols + col], 0));
+    for (; r < end; r += kColumnWarps) acc = R::combine(acc, R::element(in[r * ld + col], 0));
   }
   scratch[warp][lane] = acc;
   __syncthreads();
@@ -208,8 +208,8 @@ __global__ void sum_columns_final(void* out, const typename R::Acc* partials, st
 }
 
 template <class R, class T>
-void launch_columns(const StridedView& out, const StridedView& in, std::int64_t rows,
-                    std::int64_t cols, const StridedView& partials) {
+void launch_columns(const StridedView& out, const StridedView& in, std::int64_t ld,
+                    std::int64_t rows, std::int64_t cols, const StridedView& partials) {
   using Acc = typename R::Acc;
   const ColumnSplit split = column_split(rows, cols);
   MB_ASSERT(partials.is_contiguous() && partials.numel() == split.chunks * cols &&
@@ -221,8 +221,8 @@ void launch_columns(const StridedView& out, const StridedView& in, std::int64_t 
   cudaStream_t stream = current_stream();
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColumnSumTile)),
                   static_cast<unsigned>(split.chunks));
-  sum_columns_partial<R, T><<<grid, kColumnThreads, 0, stream>>>(partials.ptr<Acc>(), in.ptr<T>(),
-                                                                 rows, cols, split.rows_per_chunk);
+  sum_columns_partial<R, T><<<grid, kColumnThreads, 0, stream>>>(
+      partials.ptr<Acc>(), in.ptr<T>(), ld, rows, cols, split.rows_per_chunk);
   MB_CUDA_CHECK_LAUNCH("sum_columns_partial");
   sum_columns_final<R><<<grid_for(cols, kThreads), kThreads, 0, stream>>>(
       out.data, partials.ptr<Acc>(), split.chunks, cols);
@@ -257,16 +257,20 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
 
 void sum_columns(const StridedView& out, const StridedView& in, std::int64_t cols,
                  const StridedView& partials) {
-  MB_ASSERT(in.is_contiguous() && out.is_contiguous() && cols > 0 && in.numel() % cols == 0 &&
-                out.numel() == cols,
+  // Contiguous, or (rows, cols) rows of a wider matrix (Note [Padded rows] in core/ops/linalg.cpp).
+  const bool padded = in.ndim == 2 && in.shape[1] == cols && in.strides[1] == 1 &&
+                      in.strides[0] >= cols;
+  MB_ASSERT((in.is_contiguous() || padded) && out.is_contiguous() && cols > 0 &&
+                in.numel() % cols == 0 && out.numel() == cols,
             "sum_columns: input of {} elements and output of {} do not make {} columns", in.numel(),
             out.numel(), cols);
   const std::int64_t rows = in.numel() / cols;  // 0 rows: one empty chunk, out = 0
+  const std::int64_t ld = in.is_contiguous() ? cols : in.strides[0];
   dispatch_all(in.dtype, [&]<class T>() {
     if constexpr (std::is_integral_v<T>) {
-      launch_columns<SumInt<T>, T>(out, in, rows, cols, partials);
+      launch_columns<SumInt<T>, T>(out, in, ld, rows, cols, partials);
     } else {
-      launch_columns<SumFloat<T>, T>(out, in, rows, cols, partials);
+      launch_columns<SumFloat<T>, T>(out, in, ld, rows, cols, partials);
     }
   });
 }

@@ -223,6 +223,50 @@ TEST_CASE("meta mirroring CUDA: a bf16 linear makes no f32 operand copies") {
   CHECK(cuda_step < cpu_step);
 }
 
+TEST_CASE("meta mirroring CUDA: 16-bit linear rows are padded to 16 bytes, and the loss keeps them") {
+  // Note [Padded rows]: the (M, N) output of a 16-bit linear on CUDA lies in rows of a multiple of
+  // 8 elements; cross_entropy reads them in place and gives dlogits the same rows, which the
+  // linear's backward reads in place too. f32, one row, whole rows and the CPU stay dense.
+  struct Case {
+    Backend backend;
+    DType dt;
+    std::int64_t m, n, row;  // row: the expected row stride of the output
+  };
+  for (Case c : {Case{Backend::cuda, DType::bf16, 64, 1001, 1008}, Case{Backend::cuda, DType::f16, 6, 1, 8},
+                 Case{Backend::cuda, DType::bf16, 64, 1000, 1000}, Case{Backend::cuda, DType::bf16, 1, 33, 33},
+                 Case{Backend::cuda, DType::f32, 64, 1001, 1001}, Case{Backend::cpu, DType::bf16, 64, 1001, 1001}}) {
+    CAPTURE(static_cast<int>(c.backend));
+    CAPTURE(std::string(dtype_name(c.dt)));
+    CAPTURE(c.m);
+    CAPTURE(c.n);
+    MetaBackendGuard mirror(c.backend);
+    Tensor x = empty({c.m, 16}, {.dtype = c.dt, .device = kMeta}).requires_grad_(true);
+    Tensor w = empty({c.n, 16}, {.dtype = c.dt, .device = kMeta}).requires_grad_(true);
+    Tensor b = empty({c.n}, {.dtype = c.dt, .device = kMeta}).requires_grad_(true);
+    Tensor y = linear(x, w, b);
+    CHECK(y.shape() == Shape{c.m, c.n});
+    if (c.m > 1) CHECK(y.strides()[0] == c.row);
+    CHECK(y.strides()[1] == 1);
+    // The loss's backward hands linear's backward a gradient with the same rows, and no copy of
+    // the logits is made: the step allocates the logits and dlogits (padded) and small things.
+    Tensor target = zeros({c.m}, {.dtype = DType::i64, .device = kMeta});
+    reset_peak_memory_stats(kMeta);
+    const std::int64_t start = memory_stats(kMeta).allocated.current;
+    Tensor loss = cross_entropy(y, target, {.loss_dtype = DType::f32});
+    loss.backward();
+    CHECK(x.grad().shape() == x.shape());
+    CHECK(w.grad().shape() == w.shape());
+    const std::int64_t step = memory_stats(kMeta).allocated.peak - start;
+    const std::int64_t rows_bytes = c.m * c.row * static_cast<std::int64_t>(dtype_size(c.dt));
+    const std::int64_t grads_bytes = (c.n * 16 + c.n + c.m * 16) * static_cast<std::int64_t>(dtype_size(c.dt));
+    INFO("peak above the logits " << step << " bytes; one copy of the rows is " << rows_bytes
+                                  << ", the parameter and input gradients " << grads_bytes);
+    // dlogits and the gradients, plus per-row statistics and the allocator's rounding; a copy of
+    // the logits (dense or f32) would add at least rows_bytes.
+    if (c.backend == Backend::cuda && c.m > 1) CHECK(step < rows_bytes + grads_bytes + 16384);
+  }
+}
+
 TEST_CASE("meta mirroring CUDA: conv2d and max_pool2d give shapes and run no kernel") {
   MetaBackendGuard mirror(Backend::cuda);
   for (DType dt : {DType::f32, DType::bf16}) {
@@ -342,6 +386,31 @@ MB_CUDA_TEST_CASE("cuda linear: the bias in cuBLASLt's epilogue equals bias rows
           check_close(fused, cpu, tol.rtol, tol.atol, "epilogue vs CPU");
         }
       }
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda linear into cross_entropy: padded 16-bit rows, values and gradients") {
+  // Note [Padded rows]: odd vocabularies (GPT-2's 50257 among them) give padded logits on the GPU;
+  // the loss reads them in place, its gradient keeps the padding, the GEMMs read that in place.
+  for (DType dt : {DType::f16, DType::bf16, DType::f32}) {
+    for (std::int64_t v : {std::int64_t{1}, std::int64_t{33}, std::int64_t{50257}}) {
+      CAPTURE(v);
+      const std::int64_t rows = v > 1000 ? 16 : 37;
+      std::vector<double> t(static_cast<std::size_t>(rows));
+      for (std::int64_t i = 0; i < rows; ++i) t[static_cast<std::size_t>(i)] = static_cast<double>((i * 7919) % v);
+      t[3] = -100.0;  // one ignored row
+      const Tensor target = from_vector(t, {rows}, {.dtype = DType::i64});
+      auto f = [target](const std::vector<Tensor>& in) {
+        const Tensor logits = linear(in[0], in[1], in[2]);
+        if (in[0].device().is_cuda() && is_16bit_float(logits.dtype()) && logits.shape()[1] % 8 != 0) {
+          CHECK(logits.strides()[0] == (logits.shape()[1] + 7) / 8 * 8);  // the rows are padded
+        }
+        return cross_entropy(logits, target.to(in[0].device()), {.loss_dtype = DType::f32});
+      };
+      check_cuda_parity(label("linear + cross_entropy V=" + std::to_string(v), dt), f,
+                        {leaf({rows, 64}, dt, 1), leaf({v, 64}, dt, 2), leaf({v}, dt, 3)},
+                        parity_tolerance(dt));
     }
   }
 }

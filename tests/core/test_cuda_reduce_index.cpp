@@ -189,6 +189,19 @@ MB_CUDA_TEST_CASE("cuda sums over leading dims match the CPU in every floating d
       {input_as({2, 300, 40}, DType::f32, 23), input_as({33, 40}, DType::f32, 24),
        input_as({33}, DType::f32, 25)},
       parity_tolerance(DType::f32));
+  // Rows of a wider matrix (Note [Padded rows]): summed in place, and so are a 16-bit linear's
+  // padded rows when its bias gradient is taken.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    check_cuda_parity(
+        std::string("sum of padded rows ") + dtype_name(dt),
+        [](const std::vector<Tensor>& in) { return sum(in[0].slice(1, 0, 33), {0}); },
+        {input_as({600, 40}, dt, 26)}, parity_tolerance(dt));
+    check_cuda_parity(
+        std::string("linear bias, padded rows ") + dtype_name(dt),
+        [](const std::vector<Tensor>& in) { return linear(in[0], in[1], in[2]); },
+        {input_as({2, 300, 40}, dt, 23), input_as({33, 40}, dt, 24), input_as({33}, dt, 25)},
+        parity_tolerance(dt));
+  }
 }
 
 MB_CUDA_TEST_CASE("cuda sums over leading dims give the same bits on every run") {
