@@ -50,7 +50,7 @@ def compare_kernels(ours, torch_, summary):
     copy_theirs = (torch_ or {}).get("copy_gb_per_s")
     print(f"  copy bandwidth: ours {fmt(copy_ours, '.1f')} GB/s, PyTorch {fmt(copy_theirs, '.1f')} GB/s "
           f"on {ours.get('device')} ({ours.get('sizes')} sizes)")
-    print(f"  {'kernel':<24}{'ours ms':>10}{'GB/s':>9}{'vs copy':>9}{'target':>8}  {'result':<8}"
+    print(f"  {'kernel':<30}{'ours ms':>10}{'GB/s':>9}{'vs copy':>9}{'target':>8}  {'result':<8}"
           f"{'torch ms':>10}{'vs copy':>9}{'ours/torch':>11}")
     ok = True
     for k in ours["kernels"]:
@@ -65,7 +65,7 @@ def compare_kernels(ours, torch_, summary):
             result = "pass" if meets else "FAIL"
         ok = ok and k.get("checked", False) and meets
         time_ratio = ratio(k.get("median_ms"), t.get("median_ms"))
-        print(f"  {k['name']:<24}{k['median_ms']:>10.4f}{k['gb_per_s']:>9.1f}{k['ratio_to_copy']:>9.3f}"
+        print(f"  {k['name']:<30}{k['median_ms']:>10.4f}{k['gb_per_s']:>9.1f}{k['ratio_to_copy']:>9.3f}"
               f"{fmt(target, '.2f'):>8}  {result:<8}{fmt(t.get('median_ms'), '.4f'):>10}"
               f"{fmt(t.get('ratio_to_copy'), '.3f'):>9}{fmt(time_ratio, '.3f'):>11}")
         summary["kernels"][k["name"]] = dict(ours_ms=k["median_ms"], ours_ratio_to_copy=k["ratio_to_copy"],
