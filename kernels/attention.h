@@ -51,7 +51,8 @@ void set_attention_kernel(AttentionKernel kernel);
 /// along D, any other strides; f32, f16 or bf16 (one dtype); 0 < D <= 128, T, S > 0. f32 runs in
 /// f32 on CUDA cores; f16 and bf16 multiply on tensor cores with f32 accumulation, P rounded to
 /// the input dtype before P v (kernels/attention_tc.h; MB_ATTENTION_KERNEL=simt for f32 math).
-/// out (.., T, D) contiguous in q's dtype; lse (.., T) contiguous f32.
+/// out (.., T, D) in q's dtype with unit stride along D and any other strides; lse (.., T)
+/// contiguous f32.
 void attention_forward(const StridedView& q, const StridedView& k, const StridedView& v,
                        const StridedView& out, const StridedView& lse, AttentionArgs args);
 
@@ -59,8 +60,9 @@ void attention_forward(const StridedView& q, const StridedView& k, const Strided
 /// contiguous f32 workspace the op allocates (so that the meta device sees it), then
 /// dv = P^T dout, dk = scale * dS^T q and dq = scale * dS k with P = exp(scores - lse) and
 /// dS = P * (dout v^T - delta), recomputed tile by tile. dout has out's shape, unit stride along D
-/// and any other strides; dq, dk, dv are contiguous with q's, k's and v's shapes and dtype. Each is
-/// written by exactly one thread, in a fixed order: the result is the same on every run.
+/// and any other strides; dq, dk, dv have q's, k's and v's shapes and dtype, unit stride along D
+/// and any other strides (the op lays them out as q, k and v lie). Each element is written by
+/// exactly one thread, in a fixed order: the result is the same on every run.
 void attention_backward(const StridedView& q, const StridedView& k, const StridedView& v,
                         const StridedView& out, const StridedView& dout, const StridedView& lse,
                         const StridedView& delta, const StridedView& dq, const StridedView& dk,

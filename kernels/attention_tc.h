@@ -69,6 +69,9 @@ struct AttentionOperands {
   const T* k;
   const T* v;
   HeadStrides qs, ks, vs;
+  /// Where out (written by the forward, read by the backward's delta) and the backward's dq, dk and
+  /// dv lie, laid out like q (out, dq), k (dk) and v (dv): unit stride along D, rows `row` apart.
+  HeadStrides os, dqs, dks, dvs;
   std::int64_t t;  // queries per head
   std::int64_t s;  // keys per head
   std::int64_t d;  // head dim
@@ -471,7 +474,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
       const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
       if (i >= p.t) continue;
       // total > 0 whenever the query sees a key, which key 0 always is; guard all the same.
-      store_row(out + (bh * p.t + i) * p.d, o[mi], h, t, p.d, total > 0.0f ? 1.0f / total : 0.0f);
+      store_row(out + head_offset(p.os, bh) + i * p.os.row, o[mi], h, t, p.d, total > 0.0f ? 1.0f / total : 0.0f);
       if (t == 0) lse[bh * p.t + i] = total > 0.0f ? (m[mi][h] + log2f(total)) * kLn2 : kTcNegInf;
     }
   }
@@ -565,8 +568,8 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
     for (int h = 0; h < 2; ++h) {
       const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * h;
       if (j >= p.s) continue;
-      store_row(dk + (bh * p.s + j) * p.d, dk_acc[mi], h, t, p.d, p.scale);
-      store_row(dv + (bh * p.s + j) * p.d, dv_acc[mi], h, t, p.d, 1.0f);
+      store_row(dk + head_offset(p.dks, bh) + j * p.dks.row, dk_acc[mi], h, t, p.d, p.scale);
+      store_row(dv + head_offset(p.dvs, bh) + j * p.dvs.row, dv_acc[mi], h, t, p.d, 1.0f);
     }
   }
 }
@@ -647,7 +650,7 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
     for (int h = 0; h < 2; ++h) {
       const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
       if (i >= p.t) continue;
-      store_row(dq + (bh * p.t + i) * p.d, dq_acc[mi], h, t, p.d, p.scale);
+      store_row(dq + head_offset(p.dqs, bh) + i * p.dqs.row, dq_acc[mi], h, t, p.d, p.scale);
     }
   }
 }

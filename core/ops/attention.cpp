@@ -6,8 +6,11 @@
 // (T, S) probabilities; the composition is also the fused kernel's test reference.
 #include "kernels/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <vector>
 
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -34,6 +37,31 @@ Tensor unit_stride_rows(const Tensor& t) {
   return t.shape().back() == 1 || t.strides().back() == 1 ? t : t.contiguous();
 }
 
+// Note [Attention outputs where the inputs lie]: out is allocated with its dims in the memory
+// order of q's, and dq, dk, dv in those of q, k and v (as torch's empty_like keeps a dense input's
+// strides). A model that makes its heads with x.reshape(B, T, H, D).transpose(1, 2) then gets out
+// as the transpose of a dense (B, T, H, D), so out.transpose(1, 2).reshape(B, T, C) is a view and
+// not a copy, and the gradients come back to the reshape the same way: four (B, T, C) copies a
+// layer fewer. The kernels write any strides with unit stride along D.
+Tensor empty_laid_out_like(const Tensor& like) {
+  const int n = like.dim();
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+    return like.strides()[static_cast<std::size_t>(a)] > like.strides()[static_cast<std::size_t>(b)];
+  });
+  const TensorOptions options{.dtype = like.dtype(), .device = like.device()};
+  if (order.back() != n - 1) return empty(like.shape(), options);  // D must stay innermost
+  Shape dense_shape;
+  std::vector<std::int64_t> inverse(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    dense_shape.push_back(like.shape()[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])]);
+    inverse[static_cast<std::size_t>(order[static_cast<std::size_t>(i)])] = i;
+  }
+  NoGradGuard no_grad;
+  return empty(dense_shape, options).permute(inverse);
+}
+
 // Saves q, k, v, out and lse (.., T) f32; backward writes dq, dk, dv (and a (.., T) f32 delta).
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                        bool causal) {
@@ -46,7 +74,7 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double
     vc = unit_stride_rows(v);
   }
   const Shape rows_shape(q.shape().begin(), q.shape().end() - 1);  // (.., T)
-  Tensor o = empty(q.shape(), {.dtype = q.dtype(), .device = q.device()});  // (.., T, D)
+  Tensor o = empty_laid_out_like(qc);  // (.., T, D), laid out as q
   Tensor lse = empty(rows_shape, {.dtype = DType::f32, .device = q.device()});  // (.., T)
   launch(
       kOp, q.device(), [] { MB_ASSERT(false, "the fused attention kernel has no CPU version"); },
@@ -66,11 +94,10 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double
           so = SavedTensor(o, kOp), lse, rows_shape, args](const Tensor& g) {
            Tensor qv = sq.get(), kv = sk.get(), vv = sv.get(), ov = so.get();
            Tensor dout = unit_stride_rows(g.dtype() == ov.dtype() ? g : g.to(ov.dtype()));
-           const TensorOptions like{.dtype = qv.dtype(), .device = qv.device()};
            Tensor delta =
                empty(rows_shape, {.dtype = DType::f32, .device = qv.device()});  // (.., T)
-           Tensor dq = empty(qv.shape(), like), dk = empty(kv.shape(), like),
-                  dv = empty(vv.shape(), like);
+           Tensor dq = empty_laid_out_like(qv), dk = empty_laid_out_like(kv),
+                  dv = empty_laid_out_like(vv);
            launch(
                kOp, qv.device(),
                [] { MB_ASSERT(false, "the fused attention kernel has no CPU version"); },

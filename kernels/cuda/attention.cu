@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     if (i >= p.t) continue;
     // l > 0 whenever the query sees a key, which key 0 always is; guard all the same.
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-    T* o = out + (bh * p.t + i) * p.d;
+    T* o = out + head_offset(p.os, bh) + i * p.os.row;
 #pragma unroll
     for (int c = 0; c < L; ++c) {
       const int col = lane + 32 * c;
@@ -157,12 +157,13 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // delta[row] = sum_c out[row, c] * dout[row, c] for the B * H * T rows, one warp per row.
 template <class T>
-__global__ void attention_delta_kernel(const T* out, const T* dout, HeadStrides dos, float* delta,
-                                       std::int64_t rows, std::int64_t t, std::int64_t d) {
+__global__ void attention_delta_kernel(const T* out, HeadStrides os, const T* dout, HeadStrides dos,
+                                       float* delta, std::int64_t rows, std::int64_t t,
+                                       std::int64_t d) {
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = grid_threads() / 32;
   for (std::int64_t row = global_thread() / 32; row < rows; row += warps) {
-    const T* o = out + row * d;
+    const T* o = out + head_offset(os, row / t) + (row % t) * os.row;
     const T* g = dout + head_offset(dos, row / t) + (row % t) * dos.row;
     float acc = 0.0f;
     for (std::int64_t c = lane; c < d; c += 32)
@@ -253,8 +254,8 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int r = 0; r < R; ++r) {
     const std::int64_t j = j0 + warp * R + r;
     if (j >= p.s) continue;
-    T* dk_row = dk + (bh * p.s + j) * p.d;
-    T* dv_row = dv + (bh * p.s + j) * p.d;
+    T* dk_row = dk + head_offset(p.dks, bh) + j * p.dks.row;
+    T* dv_row = dv + head_offset(p.dvs, bh) + j * p.dvs.row;
 #pragma unroll
     for (int c = 0; c < L; ++c) {
       const int col = lane + 32 * c;
@@ -337,7 +338,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   for (int r = 0; r < R; ++r) {
     const std::int64_t i = i0 + warp * R + r;
     if (i >= p.t) continue;
-    T* dq_row = dq + (bh * p.t + i) * p.d;
+    T* dq_row = dq + head_offset(p.dqs, bh) + i * p.dqs.row;
 #pragma unroll
     for (int c = 0; c < L; ++c) {
       const int col = lane + 32 * c;
@@ -446,7 +447,9 @@ std::int64_t check_operands(const char* op, const StridedView& q, const StridedV
 
 template <class T>
 AttentionOperands<T> operands(const StridedView& q, const StridedView& k, const StridedView& v,
-                              AttentionArgs args) {
+                              const StridedView& out, AttentionArgs args,
+                              const StridedView* dq = nullptr, const StridedView* dk = nullptr,
+                              const StridedView* dv = nullptr) {
   const int n = q.ndim;
   return {.q = q.ptr<T>(),
           .k = k.ptr<T>(),
@@ -454,6 +457,10 @@ AttentionOperands<T> operands(const StridedView& q, const StridedView& k, const 
           .qs = head_strides(q),
           .ks = head_strides(k),
           .vs = head_strides(v),
+          .os = head_strides(out),
+          .dqs = dq != nullptr ? head_strides(*dq) : HeadStrides{},
+          .dks = dk != nullptr ? head_strides(*dk) : HeadStrides{},
+          .dvs = dv != nullptr ? head_strides(*dv) : HeadStrides{},
           .t = q.shape[n - 2],
           .s = k.shape[n - 2],
           .d = q.shape[n - 1],
@@ -537,11 +544,17 @@ unsigned tile_blocks(const char* op, std::int64_t heads, std::int64_t tiles) {
   return static_cast<unsigned>(blocks);
 }
 
-void check_contiguous(const char* op, const StridedView& x, const StridedView& like, DType dtype,
-                      const char* name) {
-  MB_ASSERT(x.is_contiguous() && x.numel() == like.numel() && x.dtype == dtype,
-            "[{}] {} must be contiguous {} with {} elements", op, name, dtype_name(dtype),
-            like.numel());
+// out, dq, dk and dv: like's shape and dtype, unit stride along D, any other strides (the op lays
+// them out as q, k and v lie, Note [Attention outputs where the inputs lie] in
+// core/ops/attention.cpp).
+void check_rows(const char* op, const StridedView& x, const StridedView& like, DType dtype,
+                const char* name) {
+  bool same_shape = x.ndim == like.ndim;
+  for (int i = 0; same_shape && i < x.ndim; ++i) same_shape = x.shape[i] == like.shape[i];
+  const int n = x.ndim;
+  MB_ASSERT(same_shape && x.dtype == dtype && (x.shape[n - 1] == 1 || x.strides[n - 1] == 1),
+            "[{}] {} must be {} with the shape of its input and unit stride along D", op, name,
+            dtype_name(dtype));
 }
 
 }  // namespace
@@ -555,11 +568,11 @@ void attention_forward(const StridedView& q, const StridedView& k, const Strided
   constexpr const char* op = "attention_forward";
   const std::int64_t heads = check_operands(op, q, k, v);
   const std::int64_t t = q.shape[q.ndim - 2];
-  check_contiguous(op, out, q, q.dtype, "out");
+  check_rows(op, out, q, q.dtype, "out");
   MB_ASSERT(lse.is_contiguous() && lse.numel() == heads * t && lse.dtype == DType::f32,
             "[{}] lse must be contiguous f32 with {} elements", op, heads * t);
   dispatch_attention(q.dtype, op, [&]<class T>() {
-    const AttentionOperands<T> p = operands<T>(q, k, v, args);
+    const AttentionOperands<T> p = operands<T>(q, k, v, out, args);
     with_head_dim(p.d, [&]<int kMaxD>() {
       if constexpr (!std::is_same_v<T, float>) {
         if (use_tensor_cores()) {
@@ -589,10 +602,10 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
   const std::int64_t heads = check_operands(op, q, k, v);
   const int n = q.ndim;
   const std::int64_t t = q.shape[n - 2];
-  check_contiguous(op, out, q, q.dtype, "out");
-  check_contiguous(op, dq, q, q.dtype, "dq");
-  check_contiguous(op, dk, k, q.dtype, "dk");
-  check_contiguous(op, dv, v, q.dtype, "dv");
+  check_rows(op, out, q, q.dtype, "out");
+  check_rows(op, dq, q, q.dtype, "dq");
+  check_rows(op, dk, k, q.dtype, "dk");
+  check_rows(op, dv, v, q.dtype, "dv");
   MB_ASSERT(dout.ndim == n && dout.numel() == q.numel() && dout.dtype == q.dtype &&
                 (q.shape[n - 1] == 1 || dout.strides[n - 1] == 1),
             "[{}] dout must have out's shape and dtype and unit stride along D", op);
@@ -601,11 +614,11 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
               "[{}] lse and delta must be contiguous f32 with {} elements", op, heads * t);
   }
   dispatch_attention(q.dtype, op, [&]<class T>() {
-    const AttentionOperands<T> p = operands<T>(q, k, v, args);
+    const AttentionOperands<T> p = operands<T>(q, k, v, out, args, &dq, &dk, &dv);
     const HeadStrides dos = head_strides(dout);
     const std::int64_t rows = heads * p.t;
     attention_delta_kernel<T><<<grid_for(rows * 32, kThreads), kThreads, 0, current_stream()>>>(
-        out.ptr<T>(), dout.ptr<T>(), dos, delta.ptr<float>(), rows, p.t, p.d);
+        out.ptr<T>(), p.os, dout.ptr<T>(), dos, delta.ptr<float>(), rows, p.t, p.d);
     MB_CUDA_CHECK_LAUNCH("attention_delta_kernel");
     with_head_dim(p.d, [&]<int kMaxD>() {
       if constexpr (!std::is_same_v<T, float>) {

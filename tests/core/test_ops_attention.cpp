@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/ops/dispatch.h"
 #include "core/rng.h"
 #include "tests/core/harness.h"
 
@@ -175,4 +176,37 @@ TEST_CASE("attention on the meta device: shapes only") {
   CHECK(scaled_dot_product_attention(empty({2, 4, 8, 16}, meta), empty({2, 4, 8, 16}, meta),
                                      empty({2, 4, 8, 16}, meta))
             .shape() == Shape{2, 4, 8, 16});
+}
+
+TEST_CASE("meta mirroring CUDA: the fused attention lays out out, dq, dk and dv as q, k and v lie") {
+  // Note [Attention outputs where the inputs lie]: heads made as GPT makes them, (B, T, H, D) views
+  // of one (B, T, 3C) projection transposed to (B, H, T, D), give an out whose transpose back is
+  // dense (so the reshape to (B, T, C) is a view) and gradients that reach the (B, T, H, D) views
+  // dense; heads given dense stay dense.
+  MetaBackendGuard mirror(Backend::cuda);
+  const std::int64_t B = 2, T = 8, H = 3, D = 16, C = H * D;
+  for (DType dt : {DType::bf16, DType::f32}) {
+    CAPTURE(std::string(dtype_name(dt)));
+    const Tensor qkv = empty({B, T, 3 * C}, {.dtype = dt, .device = kMeta});
+    std::vector<Tensor> bthd, heads;
+    for (std::int64_t i = 0; i < 3; ++i) {
+      // (B, T, H, D) views of the projection, strides (3CT, 3C, D, 1), as leaves.
+      bthd.push_back(qkv.slice(2, i * C, (i + 1) * C).reshape({B, T, H, D}).detach().requires_grad_(true));
+      heads.push_back(bthd.back().transpose(1, 2));
+    }
+    Tensor out = scaled_dot_product_attention(heads[0], heads[1], heads[2], {.causal = true});
+    CHECK(out.shape() == Shape{B, H, T, D});
+    CHECK(out.transpose(1, 2).is_contiguous());
+    Tensor y = out.transpose(1, 2).reshape({B, T, C});
+    CHECK(y.same_storage(out));  // a view, no copy
+    const std::vector<Tensor> grads = grad({sum(y)}, {Tensor()}, bthd);
+    for (const Tensor& g : grads) {
+      REQUIRE(g.defined());
+      CHECK(g.shape() == Shape{B, T, H, D});
+      CHECK(g.is_contiguous());  // dq, dk, dv were written (B, T, H, D)-dense
+    }
+    // Dense heads stay dense.
+    Tensor q = empty({B, H, T, D}, {.dtype = dt, .device = kMeta});
+    CHECK(scaled_dot_product_attention(q, q, q).is_contiguous());
+  }
 }
