@@ -27,9 +27,9 @@ bool done(Event e) {
   const cudaError_t status = cudaEventQuery(as_cuda(e));
   if (status == cudaErrorNotReady) {
     // "Not ready" is an answer, not a failure, but the runtime also keeps it as this thread's
-    // last error: cleared here, or the next launch check would report it as its own. A real
-    // asynchronous error is sticky and shows again at the next call.
-    (void)cudaGetLastError();
+    // last error: cleared here (only that one), or the next launch check would report it as its
+    // own. A real asynchronous error is sticky and shows again at the next call.
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
     return false;
   }
   MB_CUDA_CHECK(status);

@@ -34,7 +34,9 @@ Tensor gemm_ready(const Tensor& t, Backend backend) {
 // every row. The rows' consumers take them where they lie: cross_entropy on CUDA reads the padded
 // rows and writes dlogits with the same padding, and reshapes of the leading dims stay views. The
 // padding (at most 7 elements per row) is never read. The CPU, which copies 16-bit operands to f32
-// anyway, keeps dense rows; meta mirrors the backend it stands in for.
+// anyway, keeps dense rows; meta mirrors the backend it stands in for. What a caller sees: such an
+// output is not contiguous (view() of it throws where reshape() copies), and cross_entropy saves it
+// without a copy, so changing it in place before the backward trips the version check.
 std::int64_t padded_row(std::int64_t m, std::int64_t n, DType dt, Backend backend) {
   if (backend != Backend::cuda || !is_16bit_float(dt) || m <= 1 || n % 8 == 0) return n;
   return (n + 7) / 8 * 8;

@@ -16,7 +16,8 @@
 // Lt heuristic picks is kept per shape, layout and pointer alignments. Where Lt has none (f64,
 // f32 output from 16-bit inputs, a batch, a strided bias) or MB_CUBLASLT_EPILOGUE=0, the rows are
 // written first and cublasGemmStridedBatchedEx adds the product onto them (beta = 1): the same sum,
-// possibly added in another order.
+// possibly added in another order. So does a bias that is not 16-byte aligned (Lt has no alignment
+// preference for it), and a shape whose Lt call is refused.
 //
 // Precision: f32 runs with CUBLAS_COMPUTE_32F, never TF32 (f32 means f32); f16 and bf16 inputs
 // accumulate in f32 (CUBLAS_COMPUTE_32F, tensor cores) and round once into a 16-bit or f32 C; f64
@@ -28,7 +29,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <sstream>
 #include <string>
 
@@ -127,9 +127,15 @@ struct LtKey {
   auto operator<=>(const LtKey&) const = default;
 };
 
+// The algorithm for a key, or none (ok false): Lt offered none, or refused the call.
+struct LtChoice {
+  bool ok = false;
+  cublasLtMatmulAlgo_t algo{};
+};
+
 std::mutex g_lt_mutex;
-std::map<LtKey, std::optional<cublasLtMatmulAlgo_t>>& lt_algos() {  // nullopt: none offered
-  static auto* algos = new std::map<LtKey, std::optional<cublasLtMatmulAlgo_t>>();
+std::map<LtKey, LtChoice>& lt_algos() {
+  static auto* algos = new std::map<LtKey, LtChoice>();
   return *algos;
 }
 
@@ -251,7 +257,10 @@ void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bi
   const bool lt_layout = k > 0 && a.shape[0] == 1 && b.shape[0] == 1 && mc.ok && mc.row_major &&
                          ma.ok && mb.ok && (n == 1 || bias.strides[0] == 1) && m <= INT_MAX &&
                          n <= INT_MAX && k <= INT_MAX;
-  if (epilogue_wanted() && lt_types && lt_layout) {
+  // The bias must be 16-byte aligned too: Lt has no alignment preference for it, and an
+  // under-aligned one (a bias at an odd place in the parameter arena) takes the fallback.
+  const bool lt_bias = n == 1 || alignment_of(bias.data) >= 16;
+  if (epilogue_wanted() && lt_types && lt_layout && lt_bias) {
     // D^T (N, M) = op(B) (N, K) @ op(A) (K, M) + bias over D^T's rows (Note [Row-major GEMM on
     // cuBLAS]): cuBLASLt's first operand is b, its second a.
     const cublasOperation_t op_b = mb.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
@@ -288,12 +297,12 @@ void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bi
     std::size_t workspace_bytes = 0;
     void* workspace = cublas_workspace(&workspace_bytes);
 
-    std::optional<cublasLtMatmulAlgo_t> algo;
+    LtChoice choice;
     {
       std::lock_guard lock(g_lt_mutex);
       auto it = lt_algos().find(key);
       if (it != lt_algos().end()) {
-        algo = it->second;
+        choice = it->second;
       } else {
         MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
         set_pref(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
@@ -310,21 +319,24 @@ void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bi
             cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), d.op, d.a, d.b, d.c, d.c, d.pref, 1,
                                            &result, &found);
         if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
-          algo = result.algo;
+          choice = {.ok = true, .algo = result.algo};
         } else {
           MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
                    "[gemm_bias] cublasLtMatmulAlgoGetHeuristic failed: {}",
                    cublas_status_name(status));
         }
-        lt_algos().emplace(key, algo);
+        lt_algos().emplace(key, choice);
       }
     }
-    if (algo) {
+    if (choice.ok) {
       const float one = 1.0f, zero = 0.0f;
-      MB_CUBLAS_CHECK(cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero,
-                                     c.data, d.c, c.data, d.c, &*algo, workspace, workspace_bytes,
-                                     current_stream()));
-      return;
+      const cublasStatus_t status =
+          cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero, c.data,
+                         d.c, c.data, d.c, &choice.algo, workspace, workspace_bytes, current_stream());
+      if (status == CUBLAS_STATUS_SUCCESS) return;
+      // Refused after all: this shape takes the fallback from now on (it overwrites all of c).
+      std::lock_guard lock(g_lt_mutex);
+      lt_algos()[key].ok = false;
     }
   }
   // Without the epilogue: the bias rows first, then the product added onto them.

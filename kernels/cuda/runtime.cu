@@ -61,7 +61,11 @@ void set_current_stream(cudaStream_t stream) {
   PerDevice& d = per_device(current_device());
   std::lock_guard lock(g_create_mutex);
   d.stream = stream;
-  if (d.cublas != nullptr) MB_CUBLAS_CHECK(cublasSetStream(d.cublas, stream));
+  if (d.cublas != nullptr) {
+    // cublasSetStream puts the handle back on cuBLAS's own workspace pool: ours is set again.
+    MB_CUBLAS_CHECK(cublasSetStream(d.cublas, stream));
+    MB_CUBLAS_CHECK(cublasSetWorkspace(d.cublas, d.cublas_workspace, kCublasWorkspaceBytes));
+  }
 #ifdef MB_HAVE_CUDNN
   if (d.cudnn != nullptr) MB_CUDNN_CHECK(cudnnSetStream(d.cudnn, stream));
 #endif
@@ -77,10 +81,11 @@ cublasHandle_t cublas_handle() {
   if (d.cublas == nullptr) {
     MB_CUBLAS_CHECK(cublasCreate(&d.cublas));
     MB_CUDA_CHECK(cudaMalloc(&d.cublas_workspace, kCublasWorkspaceBytes));
-    MB_CUBLAS_CHECK(cublasSetWorkspace(d.cublas, d.cublas_workspace, kCublasWorkspaceBytes));
     // Tensor cores for f32 GEMMs stay off: f32 means f32 (TF32 would break the 1e-3 parity).
     MB_CUBLAS_CHECK(cublasSetMathMode(d.cublas, CUBLAS_DEFAULT_MATH));
     MB_CUBLAS_CHECK(cublasSetStream(d.cublas, d.stream));  // set_current_stream keeps it current
+    // After the stream: cublasSetStream resets the handle to cuBLAS's own workspace pool.
+    MB_CUBLAS_CHECK(cublasSetWorkspace(d.cublas, d.cublas_workspace, kCublasWorkspaceBytes));
   }
   return d.cublas;
 }

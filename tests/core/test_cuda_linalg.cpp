@@ -364,8 +364,9 @@ MB_CUDA_TEST_CASE("cuda linear: the bias in cuBLASLt's epilogue equals bias rows
     std::int64_t m, k, n;
   };
   for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    // The last is deep enough along K for a split-K algorithm, whose partial sums must stay f32.
     for (Shape3 s : {Shape3{1, 1, 1}, Shape3{5, 33, 31}, Shape3{1, 64, 129}, Shape3{257, 96, 1},
-                     Shape3{512, 768, 2304}}) {
+                     Shape3{512, 768, 2304}, Shape3{16, 24576, 768}}) {
       CAPTURE(dtype_name(dt));
       CAPTURE(s.m);
       CAPTURE(s.n);
