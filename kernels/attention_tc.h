@@ -82,6 +82,14 @@ struct AttentionOperands {
   MB_TC_FN bool visible(std::int64_t i, std::int64_t j) const {
     return i < t && j < s && (!causal || j <= i);
   }
+
+  /// Whether every query of [i0, i0 + rows) sees every key of [j0, j0 + cols): all within range
+  /// and, under the causal mask, the last key at or before the first query. Such a tile (most of
+  /// them, below the diagonal) skips the per-element visible() test.
+  MB_TC_FN bool sees_all(std::int64_t i0, std::int64_t rows, std::int64_t j0,
+                         std::int64_t cols) const {
+    return i0 + rows <= t && j0 + cols <= s && (!causal || j0 + cols - 1 <= i0);
+  }
 };
 
 }  // namespace microbatch::kernels
@@ -412,6 +420,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
       fetch_tile(ctx, v_next, v, p.vs.row, j0 + G::kCols, p.s, p.d, p.vec_v);
     }
 
+    const bool full = p.sees_all(i0, G::kBlockRows, j0, G::kCols);  // the same for the block
     TcAcc sc[M][G::kColTiles];
     MB_TC_UNROLL
     for (int nt = 0; nt < G::kColTiles; nt += 2) {
@@ -436,7 +445,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
           MB_TC_UNROLL
           for (int e = 0; e < 2; ++e) {
             float& x = sc[mi][nt].x[2 * h + e];
-            x = p.visible(i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
+            x = full || p.visible(i, j0 + nt * 8 + 2 * t + e) ? x * scale2 : kTcNegInf;
             mx = tc_max(mx, x);
           }
         }
@@ -540,6 +549,7 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
     ctx.sync();  // the tiles (and, on the first pass, k_s and v_s) are in place
     if (i0 + G::kCols < p.t) fetch(i0 + G::kCols);
 
+    const bool full = p.sees_all(i0, G::kCols, j0, G::kBlockRows);  // the same for the block
     TcAcc st[M][G::kColTiles], dpt[M][G::kColTiles];  // S^T and dP^T: rows keys, columns queries
     add_row_products<T, G>(ctx, st, k_s, q_s, r0);
     add_row_products<T, G>(ctx, dpt, v_s, do_s, r0);
@@ -551,7 +561,7 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + 2 * t + (e & 1);
           const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * (e >> 1);
-          const bool seen = p.visible(i0 + c, j);
+          const bool seen = full || p.visible(i0 + c, j);
           const float pr = seen ? exp2f(st[mi][nt].x[e] * scale2 - lse_s[c]) : 0.0f;
           dpt[mi][nt].x[e] = seen ? pr * (dpt[mi][nt].x[e] - delta_s[c]) : 0.0f;
           st[mi][nt].x[e] = pr;
@@ -623,6 +633,7 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
       fetch_tile(ctx, v_next, v, p.vs.row, j0 + G::kCols, p.s, p.d, p.vec_v);
     }
 
+    const bool full = p.sees_all(i0, G::kBlockRows, j0, G::kCols);  // the same for the block
     TcAcc sc[M][G::kColTiles], dp[M][G::kColTiles];
     add_row_products<T, G>(ctx, sc, q_s, k_s, r0);
     add_row_products<T, G>(ctx, dp, do_s, v_s, r0);
@@ -634,7 +645,7 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1;
           const std::int64_t i = i0 + r0 + 16 * mi + g + 8 * h;
-          const bool seen = p.visible(i, j0 + nt * 8 + 2 * t + (e & 1));
+          const bool seen = full || p.visible(i, j0 + nt * 8 + 2 * t + (e & 1));
           sc[mi][nt].x[e] = seen ? exp2f(sc[mi][nt].x[e] * scale2 - lse2[mi][h]) *
                                        (dp[mi][nt].x[e] - delta_r[mi][h])
                                  : 0.0f;

@@ -377,3 +377,32 @@ TEST_CASE("tensor-core attention, emulated on the CPU: D = 128 and D = 32 geomet
   check_case<bf16, 32, 2>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
   check_case<f16, 32, 2>(Case{2, 1, 9, 9, 1, true}, kTolF16);  // D = 1
 }
+
+TEST_CASE("attention tiles: sees_all holds exactly when every pair of the tile is visible") {
+  // The kernels skip the per-element mask on tiles sees_all() accepts; it must never accept a
+  // tile with a masked or out-of-range pair, and it accepts the tiles below the diagonal.
+  for (bool causal : {true, false}) {
+    for (std::int64_t t : {1, 7, 64, 70}) {
+      for (std::int64_t s : {1, 9, 64, 70}) {
+        const kernels::AttentionOperands<bf16> p{.t = t, .s = s, .d = 64, .scale = 1.0f, .causal = causal};
+        for (std::int64_t rows : {16, 32}) {
+          for (std::int64_t cols : {16, 64}) {
+            for (std::int64_t i0 = 0; i0 < t + rows; i0 += 8) {
+              for (std::int64_t j0 = 0; j0 < s + cols; j0 += 8) {
+                bool all = true;
+                for (std::int64_t i = i0; i < i0 + rows; ++i)
+                  for (std::int64_t j = j0; j < j0 + cols; ++j) all = all && p.visible(i, j);
+                CAPTURE(causal);
+                CAPTURE(t);
+                CAPTURE(s);
+                CAPTURE(i0);
+                CAPTURE(j0);
+                CHECK(p.sees_all(i0, rows, j0, cols) == all);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
