@@ -85,10 +85,14 @@ IndexRangeError first_out_of_range(const StridedView& index, std::int64_t size);
 /// out[c] = in[c with c[dim] replaced by index[c]] for every coordinate c of out's shape;
 /// index has out's shape, in has at least it on every dim but `dim`. out and in share a dtype.
 void gather(const StridedView& out, const StridedView& in, const StridedView& index, int dim);
-/// dst[c with c[dim] replaced by index[c]] += src[c] for every coordinate c of src's shape, in
-/// row-major order of c (deterministic); index has src's shape. dst and src share a dtype;
-/// 16-bit types add in f32.
-void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index, int dim);
+/// dst[c with c[dim] replaced by index[c]] += weight * src[c] for every coordinate c of src's
+/// shape, in row-major order of c (deterministic); index has src's shape. dst and src share a
+/// dtype, or both are floating (the embedding backward adds 16-bit rows straight into an f32
+/// gradient slot: Note [Embedding gradients in place] in core/ops/index.cpp); 16-bit types add
+/// in f32. With weight 1 and one dtype, dst += src; otherwise the product is rounded to dst's
+/// compute type first, then the sum, as accumulate does.
+void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index, int dim,
+                 double weight = 1.0);
 }  // namespace cpu
 
 // The CUDA kernels check index values without stopping the host (Note [Deferred index errors]).
@@ -108,12 +112,13 @@ void gather(const StridedView& out, const StridedView& in, const StridedView& in
 /// As cpu::scatter_add, with the CPU's order of additions: one thread per destination line (all
 /// coordinates but `dim`) walks `dim` in order, so no two threads touch one element and no atomics
 /// are needed; an index outside [0, dst.shape[dim]) adds nothing.
-void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index, int dim);
+void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index, int dim,
+                 double weight = 1.0);
 /// As scatter_add, with the same bits (Note [Sorted scatter_add]), for views where
 /// sorted_scatter_workspace_bytes is positive; `workspace` is a contiguous u8 buffer of at least
 /// that many bytes.
 void scatter_add_sorted(const StridedView& dst, const StridedView& src, const StridedView& index,
-                        int dim, const StridedView& workspace);
+                        int dim, const StridedView& workspace, double weight = 1.0);
 }  // namespace cuda
 
 }  // namespace microbatch::kernels

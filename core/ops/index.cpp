@@ -81,6 +81,37 @@ Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype,
   return dx;
 }
 
+// Note [Embedding gradients in place]: as linear's weight-gradient GEMM (Note [Weight-gradient
+// GEMM] in core/ops/linalg.cpp), embedding's backward adds its rows straight into the weight's
+// gradient buffer (a slot of the f32 gradient arena) as grad[index[i]] += w * g[i], in position
+// order, instead of scatter-adding into a dense (V, C) temporary of the weight's dtype that
+// AccumulateGrad then adds into the slot. For a 16-bit model that is a 16-bit sum per row, rounded
+// after every addition, turned into an f32 sum rounded once per addition; and GPT-2's (50257, 768)
+// temporary (zero-filled, then read by the accumulation) is not made. Where the weight does not
+// accumulate in place (grad() capturing it, no buffer yet) it returns the dense gradient as before.
+void scatter_add_into(const Tensor& grad, const Tensor& g, const kernels::StridedView& index,
+                      double weight) {
+  const std::int64_t sort_bytes =
+      backend_of(g.device()) == Backend::cuda
+          ? kernels::sorted_scatter_workspace_bytes(grad.kview(), g.kview(), index, 0)
+          : 0;
+  if (sort_bytes > 0) {
+    Tensor workspace = empty({sort_bytes}, {.dtype = DType::u8, .device = g.device()});
+    launch(
+        "embedding", g.device(),
+        [&] { MB_ASSERT(false, "[embedding] the sorted scatter runs on CUDA only"); },
+        [&] {
+          kernels::cuda::scatter_add_sorted(grad.kview(), g.kview(), index, 0, workspace.kview(),
+                                            weight);
+        });
+    return;
+  }
+  launch(
+      "embedding", g.device(),
+      [&] { kernels::cpu::scatter_add(grad.kview(), g.kview(), index, 0, weight); },
+      [&] { kernels::cuda::scatter_add(grad.kview(), g.kview(), index, 0, weight); });
+}
+
 }  // namespace
 
 Tensor embedding(const Tensor& weight, const Tensor& indices) {
@@ -109,12 +140,22 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
       [&] { kernels::cuda::gather(out_rows, weight.kview(), index_rows, 0); });
 
   record("embedding", {weight}, out,
-         [si = SavedTensor(flat, "embedding"), weight_shape = weight.shape(), rows,
-          dtype = weight.dtype()](const Tensor& g) {
+         [si = SavedTensor(flat, "embedding"), sw = SavedTensor(weight, "embedding"),
+          weight_shape = weight.shape(), rows, dtype = weight.dtype()](const Tensor& g) {
            Tensor idx = si.get();
-           return std::vector<Tensor>{scatter_add_kernel("embedding", weight_shape, dtype,
-                                                         g.reshape(rows),
-                                                         broadcast_index(idx, rows, 0), 0)};
+           const kernels::StridedView index = broadcast_index(idx, rows, 0);
+           Tensor w = sw.get();
+           if (accumulates_in_place(w)) {
+             Tensor grad = w.grad();
+             if (grad.is_contiguous() && grad.shape() == weight_shape &&
+                 (grad.dtype() == dtype || grad.dtype() == DType::f32 || grad.dtype() == DType::f64)) {
+               scatter_add_into(grad, g.reshape(rows), index, grad_weight());
+               grad.bump_version();
+               return std::vector<Tensor>{Tensor()};
+             }
+           }
+           return std::vector<Tensor>{
+               scatter_add_kernel("embedding", weight_shape, dtype, g.reshape(rows), index, 0)};
          });
   return out;
 }

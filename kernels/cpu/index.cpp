@@ -86,21 +86,42 @@ void gather(const StridedView& out, const StridedView& in, const StridedView& in
 }
 
 void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index,
-                 int dim) {
-  MB_ASSERT(dst.dtype == src.dtype && dst.ndim == src.ndim && index.ndim == src.ndim,
-            "scatter_add views disagree");
+                 int dim, double weight) {
+  MB_ASSERT(dst.ndim == src.ndim && index.ndim == src.ndim, "scatter_add views disagree");
+  MB_ASSERT(dst.dtype == src.dtype || (is_floating(dst.dtype) && is_floating(src.dtype)),
+            "scatter_add: dst {} and src {} dtypes", dtype_name(dst.dtype), dtype_name(src.dtype));
   const Strides dst_other = without_dim(dst, dim);
   const std::int64_t dst_dim_stride = dst.ndim == 0 ? 0 : dst.strides[dim];
-  dispatch_all(dst.dtype, [&]<class T>() {
-    using C = compute_t<T>;
-    T* d = dst.ptr<T>();
-    const T* s = src.ptr<T>();
-    dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
-      const I* idx = index.ptr<I>();
-      const std::int64_t* const strides[3] = {src.strides, dst_other.s, index.strides};
-      walk<3>(src, strides, [&](const std::int64_t* off) {
-        T& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
-        target = static_cast<T>(static_cast<C>(target) + static_cast<C>(s[off[0]]));
+  const std::int64_t* const strides[3] = {src.strides, dst_other.s, index.strides};
+  if (dst.dtype == src.dtype && weight == 1.0) {
+    dispatch_all(dst.dtype, [&]<class T>() {
+      using C = compute_t<T>;
+      T* d = dst.ptr<T>();
+      const T* s = src.ptr<T>();
+      dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
+        const I* idx = index.ptr<I>();
+        walk<3>(src, strides, [&](const std::int64_t* off) {
+          T& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
+          target = static_cast<T>(static_cast<C>(target) + static_cast<C>(s[off[0]]));
+        });
+      });
+    });
+    return;
+  }
+  // dst += weight * src, the product rounded, then the sum, as accumulate does.
+  dispatch_float(dst.dtype, "scatter_add", [&]<class D>() {
+    dispatch_float(src.dtype, "scatter_add", [&]<class S>() {
+      using C = compute_t<D>;
+      const C w = static_cast<C>(weight);
+      D* d = dst.ptr<D>();
+      const S* s = src.ptr<S>();
+      dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
+        const I* idx = index.ptr<I>();
+        walk<3>(src, strides, [&](const std::int64_t* off) {
+          D& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
+          const C product = w * static_cast<C>(static_cast<compute_t<S>>(s[off[0]]));
+          target = static_cast<D>(static_cast<C>(target) + product);
+        });
       });
     });
   });

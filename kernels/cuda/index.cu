@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -114,36 +115,50 @@ __global__ void gather_kernel(T* out, const T* in, const I* index, Indexer<3> ix
   }
 }
 
+// target + w * x as the CPU's scatter_add computes it: with kWeighted, the product rounded to D's
+// compute type first, then the sum (no fused multiply-add); else target + x.
+template <bool kWeighted, class D, class S>
+__device__ __forceinline__ D add_scaled(D target, S x, compute_t<D> w) {
+  using C = compute_t<D>;
+  const C v = static_cast<C>(static_cast<compute_t<S>>(x));
+  if constexpr (!kWeighted) {
+    return static_cast<D>(static_cast<C>(target) + v);
+  } else if constexpr (std::is_same_v<C, double>) {
+    return static_cast<D>(__dadd_rn(static_cast<C>(target), __dmul_rn(w, v)));
+  } else {
+    return static_cast<D>(__fadd_rn(static_cast<C>(target), __fmul_rn(w, v)));
+  }
+}
+
 // Thread `line` adds source line `line` into its destination line, `kChunk` positions at a time:
 // the chunk's index and source values are loaded first (independent loads in flight together),
 // then added in order.
-template <class T, class I>
-__global__ void scatter_add_lines(T* dst, const T* src, const I* index, Indexer<3> ix,
+template <bool kWeighted, class D, class S, class I>
+__global__ void scatter_add_lines(D* dst, const S* src, const I* index, Indexer<3> ix,
                                   std::int64_t lines, std::int64_t length, std::int64_t src_step,
                                   std::int64_t index_step, std::int64_t dst_dim_stride,
-                                  std::int64_t size) {
-  using C = compute_t<T>;
+                                  std::int64_t size, compute_t<D> w) {
   constexpr int kChunk = 8;
   for (std::int64_t line = global_thread(); line < lines; line += grid_threads()) {
     std::int64_t off[3];  // src, dst without dim, index
     ix.offsets(line, off);
-    const T* s = src + off[0];
-    T* d = dst + off[1];
+    const S* s = src + off[0];
+    D* d = dst + off[1];
     const I* x = index + off[2];
     for (std::int64_t j0 = 0; j0 < length; j0 += kChunk) {
       std::int64_t v[kChunk];
-      C value[kChunk];
+      S value[kChunk];
 #pragma unroll
       for (int u = 0; u < kChunk; ++u) {
         const std::int64_t j = j0 + u;
         v[u] = j < length ? static_cast<std::int64_t>(x[j * index_step]) : -1;
-        value[u] = j < length ? static_cast<C>(s[j * src_step]) : C(0);
+        value[u] = j < length ? s[j * src_step] : S{};
       }
 #pragma unroll
       for (int u = 0; u < kChunk; ++u) {
         if (v[u] < 0 || v[u] >= size) continue;
-        T& target = d[v[u] * dst_dim_stride];
-        target = static_cast<T>(static_cast<C>(target) + value[u]);
+        D& target = d[v[u] * dst_dim_stride];
+        target = add_scaled<kWeighted>(target, value[u], w);
       }
     }
   }
@@ -170,15 +185,15 @@ struct RowStrides {
 
 // Block (x, y) adds the runs of equal keys that start at sorted positions x, x + gridDim.x, ...;
 // its threads take columns y * blockDim.x + threadIdx.x, ... A thread adds the run's source
-// elements of its column onto the destination element in position order, rounding to T after each
+// elements of its column onto the destination element in position order, rounding to D after each
 // addition, as scatter_add_lines does. Runs have distinct keys, so no two threads write one
 // element. Keys and positions are loaded kChunk at a time; a run ends where the key changes (keys
 // are sorted, so the chunk's matches are a prefix).
-template <class T>
+template <bool kWeighted, class D, class S>
 __global__ void __launch_bounds__(kRunThreads)
-    scatter_add_runs(T* dst, const T* src, const unsigned* keys, const int* positions,
-                     std::int64_t n, std::int64_t cols, std::int64_t size, RowStrides st) {
-  using C = compute_t<T>;
+    scatter_add_runs(D* dst, const S* src, const unsigned* keys, const int* positions,
+                     std::int64_t n, std::int64_t cols, std::int64_t size, RowStrides st,
+                     compute_t<D> w) {
   constexpr int kChunk = 16;
   const std::int64_t first_col = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   const std::int64_t col_step = static_cast<std::int64_t>(gridDim.y) * blockDim.x;
@@ -186,9 +201,9 @@ __global__ void __launch_bounds__(kRunThreads)
     const unsigned key = keys[i];
     if (key >= size || (i > 0 && keys[i - 1] == key)) continue;  // skipped, or inside a run
     for (std::int64_t c = first_col; c < cols; c += col_step) {
-      const T* s = src + c * st.src_col;
-      T* target = dst + static_cast<std::int64_t>(key) * st.dst_row + c * st.dst_col;
-      T acc = *target;
+      const S* s = src + c * st.src_col;
+      D* target = dst + static_cast<std::int64_t>(key) * st.dst_row + c * st.dst_col;
+      D acc = *target;
       for (std::int64_t j0 = i;; j0 += kChunk) {
         unsigned k[kChunk];
         int pos[kChunk];
@@ -201,14 +216,12 @@ __global__ void __launch_bounds__(kRunThreads)
         int count = 0;  // leading positions of the chunk inside the run
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) count += k[u] == key ? 1 : 0;
-        C value[kChunk];
+        S value[kChunk];
+#pragma unroll
+        for (int u = 0; u < kChunk; ++u) value[u] = u < count ? s[pos[u] * st.src_row] : S{};
 #pragma unroll
         for (int u = 0; u < kChunk; ++u) {
-          value[u] = u < count ? static_cast<C>(s[pos[u] * st.src_row]) : C(0);
-        }
-#pragma unroll
-        for (int u = 0; u < kChunk; ++u) {
-          if (u < count) acc = static_cast<T>(static_cast<C>(acc) + value[u]);
+          if (u < count) acc = add_scaled<kWeighted>(acc, value[u], w);
         }
         if (count < kChunk) break;
       }
@@ -283,10 +296,28 @@ void gather(const StridedView& out, const StridedView& in, const StridedView& in
   MB_CUDA_CHECK_LAUNCH("gather");
 }
 
+namespace {
+// Calls f.template operator()<kWeighted, D, S>(w): dst += src for one dtype and weight 1 (any
+// dtype, integers included), else dst += w * src for floating dst and src.
+template <class F>
+void dispatch_scatter(const StridedView& dst, const StridedView& src, double weight, F&& f) {
+  if (dst.dtype == src.dtype && weight == 1.0) {
+    dispatch_all(dst.dtype, [&]<class T>() { f.template operator()<false, T, T>(compute_t<T>(1)); });
+    return;
+  }
+  dispatch_float(dst.dtype, "scatter_add", [&]<class D>() {
+    dispatch_float(src.dtype, "scatter_add", [&]<class S>() {
+      f.template operator()<true, D, S>(static_cast<compute_t<D>>(weight));
+    });
+  });
+}
+}  // namespace
+
 void scatter_add(const StridedView& dst, const StridedView& src, const StridedView& index,
-                 int dim) {
-  MB_ASSERT(dst.dtype == src.dtype && dst.ndim == src.ndim && index.ndim == src.ndim,
-            "scatter_add views disagree");
+                 int dim, double weight) {
+  MB_ASSERT(dst.ndim == src.ndim && index.ndim == src.ndim, "scatter_add views disagree");
+  MB_ASSERT(dst.dtype == src.dtype || (is_floating(dst.dtype) && is_floating(src.dtype)),
+            "scatter_add: dst {} and src {} dtypes", dtype_name(dst.dtype), dtype_name(src.dtype));
   if (src.numel() == 0) return;
   // Lines: src's shape without dim; each view keeps its strides on the other dims.
   StridedView line_src = src, line_dst = dst, line_index = index;
@@ -311,20 +342,21 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
   // Few lines, each long: small blocks spread them over more multiprocessors.
   constexpr int kLineThreads = 64;
   cudaStream_t stream = current_stream();
-  dispatch_all(dst.dtype, [&]<class T>() {
+  dispatch_scatter(dst, src, weight, [&]<bool kWeighted, class D, class S>(compute_t<D> w) {
     dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
-      scatter_add_lines<T, I><<<grid_for(lines, kLineThreads), kLineThreads, 0, stream>>>(
-          dst.ptr<T>(), src.ptr<T>(), index.ptr<I>(), ix, lines, length, src_step, index_step,
-          dst_dim_stride, size);
+      scatter_add_lines<kWeighted, D, S, I>
+          <<<grid_for(lines, kLineThreads), kLineThreads, 0, stream>>>(
+              dst.ptr<D>(), src.ptr<S>(), index.ptr<I>(), ix, lines, length, src_step, index_step,
+              dst_dim_stride, size, w);
     });
   });
   MB_CUDA_CHECK_LAUNCH("scatter_add");
 }
 
 void scatter_add_sorted(const StridedView& dst, const StridedView& src, const StridedView& index,
-                        int dim, const StridedView& workspace) {
+                        int dim, const StridedView& workspace, double weight) {
   const std::int64_t bytes = sorted_scatter_workspace_bytes(dst, src, index, dim);
-  MB_ASSERT(bytes > 0 && dst.dtype == src.dtype,
+  MB_ASSERT(bytes > 0 && (dst.dtype == src.dtype || (is_floating(dst.dtype) && is_floating(src.dtype))),
             "scatter_add_sorted does not apply to these views");
   MB_ASSERT(workspace.is_contiguous() &&
                 workspace.numel() * static_cast<std::int64_t>(dtype_size(workspace.dtype)) >= bytes,
@@ -343,7 +375,7 @@ void scatter_add_sorted(const StridedView& dst, const StridedView& src, const St
   MB_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys, positions,
                                                 static_cast<int>(n), 0, end_bit, stream));
   if (sort_bytes > static_cast<std::size_t>(layout.sort_bytes)) {
-    scatter_add(dst, src, index, dim);  // the bound fell short: the same bits, unsorted
+    scatter_add(dst, src, index, dim, weight);  // the bound fell short: the same bits, unsorted
     return;
   }
   dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
@@ -359,9 +391,9 @@ void scatter_add_sorted(const StridedView& dst, const StridedView& src, const St
   const auto run_blocks = static_cast<unsigned>(
       std::min<std::int64_t>(n, std::max<std::int64_t>(1, 8192 / col_blocks)));
   const RowStrides st{src.strides[0], src.strides[1], dst.strides[0], dst.strides[1]};
-  dispatch_all(dst.dtype, [&]<class T>() {
-    scatter_add_runs<T><<<dim3(run_blocks, col_blocks), kRunThreads, 0, stream>>>(
-        dst.ptr<T>(), src.ptr<T>(), keys.Current(), positions.Current(), n, cols, size, st);
+  dispatch_scatter(dst, src, weight, [&]<bool kWeighted, class D, class S>(compute_t<D> w) {
+    scatter_add_runs<kWeighted, D, S><<<dim3(run_blocks, col_blocks), kRunThreads, 0, stream>>>(
+        dst.ptr<D>(), src.ptr<S>(), keys.Current(), positions.Current(), n, cols, size, st, w);
   });
   MB_CUDA_CHECK_LAUNCH("scatter_add_runs");
 }

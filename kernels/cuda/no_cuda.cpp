@@ -45,9 +45,11 @@ void reduce_rows(ReduceOp, const StridedView&, const StridedView&, std::int64_t)
 void check_index_range(const StridedView&, std::int64_t, std::int64_t, const char*) { no_cuda("cuda::check_index_range"); }
 void raise_pending_index_error(int) {}  // no device, so nothing can be pending
 void gather(const StridedView&, const StridedView&, const StridedView&, int) { no_cuda("cuda::gather"); }
-void scatter_add(const StridedView&, const StridedView&, const StridedView&, int) { no_cuda("cuda::scatter_add"); }
+void scatter_add(const StridedView&, const StridedView&, const StridedView&, int, double) { no_cuda("cuda::scatter_add"); }
 void sum_columns(const StridedView&, const StridedView&, std::int64_t, const StridedView&) { no_cuda("cuda::sum_columns"); }
-void scatter_add_sorted(const StridedView&, const StridedView&, const StridedView&, int, const StridedView&) { no_cuda("cuda::scatter_add_sorted"); }
+void scatter_add_sorted(const StridedView&, const StridedView&, const StridedView&, int, const StridedView&, double) {
+  no_cuda("cuda::scatter_add_sorted");
+}
 
 // ---- nn, attention (kernels/nn.h, attention.h) ----
 void softmax_forward(SoftmaxKind, const StridedView&, const StridedView&, std::int64_t) { no_cuda("cuda::softmax_forward"); }

@@ -129,6 +129,24 @@ TEST_CASE(
   CHECK(cuda < partials + cols * 4 + 4096);  // allocator rounding only
 }
 
+TEST_CASE("meta mirroring CUDA: an embedding with a gradient buffer allocates only the workspace") {
+  // Note [Embedding gradients in place]: no dense (vocab, C) gradient is made.
+  const std::int64_t n = 4096, c = 64, vocab = 1000;
+  MetaBackendGuard guard(Backend::cuda);
+  Tensor w = empty({vocab, c}, {.dtype = DType::bf16, .device = kMeta}).requires_grad_(true);
+  w.set_grad(empty({vocab, c}, {.device = kMeta}));
+  const Tensor idx = empty({n}, {.dtype = DType::i64, .device = kMeta});
+  Tensor out = embedding(w, idx);
+  Tensor g = empty({n, c}, {.dtype = DType::bf16, .device = kMeta});
+  reset_peak_memory_stats(kMeta);
+  const std::int64_t before = memory_stats(kMeta).allocated.current;
+  out.backward(g);
+  const std::int64_t extra = memory_stats(kMeta).allocated.peak - before;
+  INFO("peak above the start of the backward: " << extra);
+  CHECK(extra >= kernels::sorted_scatter_layout(n).total);
+  CHECK(extra < kernels::sorted_scatter_layout(n).total + vocab * c * 2);  // no dense gradient
+}
+
 TEST_CASE("meta mirroring CUDA: the embedding backward allocates the sort's workspace") {
   const std::int64_t n = 4096, c = 64, vocab = 1000;
   MetaBackendGuard guard(Backend::cuda);
@@ -239,6 +257,37 @@ MB_CUDA_TEST_CASE("cuda embedding gradients equal the CPU's bits with long runs 
       check_equal(got, expected, "embedding gradient " + name);
       check_equal(embedding_grad(g, idx, k.vocab, cuda_device(0)), got, "rerun " + name);
     }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda embedding gradients added in place into an f32 buffer equal the CPU's bits") {
+  // Note [Embedding gradients in place]: two micro-batches of weight 0.25 into a preset buffer,
+  // through the sorted kernel (n >= 256) and the line kernel (n < 256).
+  GeneratorRestore restore;
+  manual_seed(33);
+  struct Case {
+    std::int64_t n, c, vocab;
+    DType weight, buffer;
+  };
+  for (const Case& k : {Case{8192, 768, 50257, DType::bf16, DType::f32},
+                        Case{4096, 33, 1000, DType::f16, DType::f32},
+                        Case{100, 64, 30, DType::bf16, DType::f32},
+                        Case{3000, 17, 200, DType::f32, DType::f32},
+                        Case{3000, 17, 200, DType::bf16, DType::bf16}}) {
+    const std::string name = std::string(dtype_name(k.weight)) + " into " + dtype_name(k.buffer) +
+                             ", n " + std::to_string(k.n);
+    const Tensor idx = from_vector(skewed_tokens(k.n, k.vocab), {k.n}, {.dtype = DType::i64});
+    const Tensor g1 = randn({k.n, k.c}).to(k.weight), g2 = randn({k.n, k.c}).to(k.weight);
+    auto run = [&](Device device) {
+      Tensor w = zeros({k.vocab, k.c}, {.dtype = k.weight, .device = device}).requires_grad_(true);
+      Tensor buffer = full({k.vocab, k.c}, 0.5, {.dtype = k.buffer, .device = device});
+      w.set_grad(buffer);
+      GradWeightGuard weight(0.25);
+      for (const Tensor& g : {g1, g2}) embedding(w, idx.to(device)).backward(g.to(device));
+      CHECK(w.grad().same_storage(buffer));
+      return buffer.to(kCPU);
+    };
+    check_equal(run(cuda_device(0)), run(kCPU), "embedding gradient in place, " + name);
   }
 }
 

@@ -96,6 +96,62 @@ TEST_CASE("embedding: f32 gradients of a repeated row are the same on every run"
   check_close(from_vector(first, {3, 8}, {.dtype = DType::f64}), expected, 1e-5, 1e-5, "row sums");
 }
 
+TEST_CASE("embedding: with a gradient buffer, backward adds w * g rows straight into it") {
+  // Note [Embedding gradients in place]: grad[index[i]] += w * g[i] in position order, the product
+  // rounded to the buffer's compute type, then the sum, and no dense gradient returned. The
+  // expected buffer is that loop, written out here in the buffer's arithmetic, to the bit.
+  struct Case {
+    DType weight, buffer;
+  };
+  manual_seed(9);
+  const std::int64_t vocab = 7, c = 5, n = 40;
+  std::vector<double> ids(n);
+  for (std::int64_t i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = static_cast<double>((i * i + 3) % vocab);
+  const Tensor indices = i64(ids, {4, n / 4});
+  const Tensor g1 = randn({4, n / 4, c}), g2 = randn({4, n / 4, c});
+  for (Case k : {Case{DType::f32, DType::f32}, Case{DType::bf16, DType::f32}, Case{DType::f16, DType::f32},
+                 Case{DType::f64, DType::f64}, Case{DType::bf16, DType::bf16}}) {
+    CAPTURE(std::string(dtype_name(k.weight)));
+    CAPTURE(std::string(dtype_name(k.buffer)));
+    Tensor w = zeros({vocab, c}, {.dtype = k.weight}).requires_grad_(true);
+    Tensor buffer = full({vocab, c}, 0.5, {.dtype = k.buffer});
+    w.set_grad(buffer);
+    {
+      GradWeightGuard weight(0.25);
+      for (const Tensor& g : {g1, g2}) embedding(w, indices).backward(g.to(k.weight));
+    }
+    CHECK(w.grad().same_storage(buffer));  // written in place
+    // The loop, in f32 for f32 and 16-bit buffers (16-bit ones rounded after each addition), in
+    // f64 for f64.
+    std::vector<double> want(static_cast<std::size_t>(vocab * c), 0.5);
+    for (const Tensor& g : {g1, g2}) {
+      const std::vector<double> gv = g.to(k.weight).to_vector();  // the values the op saw
+      for (std::int64_t i = 0; i < n; ++i) {
+        for (std::int64_t j = 0; j < c; ++j) {
+          double& t = want[static_cast<std::size_t>(static_cast<std::int64_t>(ids[static_cast<std::size_t>(i)]) * c + j)];
+          const double x = gv[static_cast<std::size_t>(i * c + j)];
+          if (k.buffer == DType::f64) {
+            t = t + 0.25 * x;
+          } else {
+            const float sum = static_cast<float>(t) + 0.25f * static_cast<float>(x);
+            t = from_vector({static_cast<double>(sum)}, {1}).to(k.buffer).to_vector()[0];
+          }
+        }
+      }
+    }
+    check_close(buffer.to(DType::f64), from_vector(want, {vocab, c}, {.dtype = DType::f64}), 0.0, 0.0,
+                "the buffer after two weighted backward passes (to the bit)");
+  }
+  // grad() capturing the weight still gets the dense gradient, and the buffer is left alone.
+  Tensor w = zeros({vocab, c}).requires_grad_(true);
+  Tensor buffer = zeros({vocab, c});
+  w.set_grad(buffer);
+  const Tensor dense = grad({sum(embedding(w, indices))}, {Tensor()}, {w})[0];
+  CHECK_FALSE(dense.same_storage(buffer));
+  CHECK(sum(dense).item() == static_cast<double>(n * c));
+  CHECK(sum(buffer).item() == 0.0);
+}
+
 // ---- gather ------------------------------------------------------------------------------------
 
 TEST_CASE("gather: torch.gather's examples and a smaller index") {
