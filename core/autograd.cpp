@@ -17,6 +17,8 @@ thread_local bool t_grad_mode = true;
 thread_local double t_grad_weight = 1.0;
 // The leaves whose gradients the innermost grad() call on this thread captures (null: none).
 thread_local const std::unordered_set<TensorImpl*>* t_captured = nullptr;
+// Whether the innermost backward running on this thread keeps its graph (retain_graph).
+thread_local bool t_retaining_graph = false;
 std::atomic<std::uint64_t> g_sequence{0};
 }  // namespace
 
@@ -28,6 +30,7 @@ EnableGradGuard::~EnableGradGuard() { t_grad_mode = previous_; }
 GradWeightGuard::GradWeightGuard(double weight) : previous_(t_grad_weight) { t_grad_weight = weight; }
 GradWeightGuard::~GradWeightGuard() { t_grad_weight = previous_; }
 double grad_weight() { return t_grad_weight; }
+bool retaining_graph() { return t_retaining_graph; }
 
 // ---- nodes -------------------------------------------------------------------------------------
 
@@ -193,6 +196,11 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
   MB_CHECK(roots.size() == grad_roots.size(), "[backward] {} roots but {} root gradients",
            roots.size(), grad_roots.size());
   NoGradGuard no_grad;  // backward formulas are not themselves recorded
+  struct RestoreRetain {
+    bool previous;
+    ~RestoreRetain() { t_retaining_graph = previous; }
+  } restore_retain{t_retaining_graph};
+  t_retaining_graph = options.retain_graph;
 
   std::unordered_map<Node*, std::vector<Tensor>> buffers;
   std::vector<std::shared_ptr<Node>> keep_alive;

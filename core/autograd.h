@@ -135,6 +135,11 @@ void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
 void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector<Tensor>& outputs,
                   BackwardFn backward);
 
+/// Whether the backward running on this thread keeps its graph (BackwardOptions::retain_graph).
+/// A backward formula may drop what it saved as soon as it is done with it, within its run, only
+/// when this is false (Note [Releasing saved tensors]).
+bool retaining_graph();
+
 /// Whether a backward formula may add its gradient for `t` straight into t.grad (`grad += w * g`
 /// with w = grad_weight(), Note [Gradient writes]) and return no gradient for it: t is a leaf that
 /// requires grad, already has a gradient buffer, and is not being captured by a grad() call.

@@ -94,6 +94,12 @@ Tensor sum_to(const Tensor& a, const Shape& shape);
 Tensor matmul(const Tensor& a, const Tensor& b);
 /// x @ weight^T + bias; x (*, in), weight (out, in), bias (out) or undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+/// A transformer's MLP, linear(gelu(linear(x, w1, b1), Tanh), w2, b2): x (*, in), w1 (hidden, in),
+/// b1 (hidden), w2 (out, hidden), b2 (out). On CUDA one node whose GEMMs apply the bias and GELU,
+/// and in the backward GELU's derivative, in cuBLASLt's epilogues (Note [MLP in GEMM epilogues]);
+/// elsewhere that composition.
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                const Tensor& b2);
 
 // ---- shape (core/ops/shape.cpp; the views are Tensor methods, core/ops/view.cpp) ----------------
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim = 0);

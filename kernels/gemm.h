@@ -56,8 +56,22 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
 void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bias,
                const StridedView& c);
 
-/// Whether gemm_bias uses the epilogue where it applies: on unless MB_CUBLASLT_EPILOGUE=0 (read
-/// at first use); set_gemm_bias_epilogue changes it for the process (tests compare both ways).
+/// out = gelu_tanh(a @ b + bias) and pre = a @ b + bias (GELU's input, kept for the backward),
+/// through cuBLASLt's GELU_AUX_BIAS epilogue where it applies (GELU of the f32 sum; pre's rows a
+/// multiple of 8 apart), else as gemm_bias into pre and GELU's kernel into out. a, b as for
+/// gemm_bias; out and pre (1, M, N) row-major, bias (N,), all of one dtype. Overwrites both.
+void gemm_bias_gelu(const StridedView& a, const StridedView& b, const StridedView& bias,
+                    const StridedView& out, const StridedView& pre);
+
+/// out = (a @ b) * gelu_tanh'(pre): the gradient of GELU's input from the gradient of its output
+/// a @ b, through cuBLASLt's DGELU epilogue where it applies, else as gemm into out and GELU's
+/// backward kernel in place. Shapes as gemm_bias_gelu. Overwrites out.
+void gemm_dgelu(const StridedView& a, const StridedView& b, const StridedView& pre,
+                const StridedView& out);
+
+/// Whether gemm_bias, gemm_bias_gelu and gemm_dgelu use cuBLASLt's epilogues where they apply: on
+/// unless MB_CUBLASLT_EPILOGUE=0 (read at first use); set_gemm_bias_epilogue changes it for the
+/// process (tests compare both ways).
 bool gemm_bias_epilogue();
 void set_gemm_bias_epilogue(bool on);
 }  // namespace cuda

@@ -116,7 +116,9 @@ Block::Block(const GPTConfig& config) {
 
 Tensor Block::forward(const Tensor& x) {
   Tensor h = x + drop->forward(attn->forward(ln_1->forward(x)));
-  Tensor m = c_proj->forward(gelu(c_fc->forward(ln_2->forward(h)), GeluApproximate::Tanh));
+  // c_proj(gelu(c_fc(.))) as one op: on CUDA its GEMMs apply GELU and its derivative in their
+  // epilogues (Note [MLP in GEMM epilogues] in core/ops/linalg.cpp).
+  Tensor m = gelu_mlp(ln_2->forward(h), c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias);
   return h + drop->forward(m);
 }
 

@@ -161,6 +161,39 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+namespace {
+// linear's weight and bias gradients for the output gradient g2 (M, N) and the input x2 (M, K):
+// dweight is added straight into the weight's gradient buffer where it accumulates in place
+// (Note [Weight-gradient GEMM]) and then returned undefined; dbias is the column sum of g2.
+std::pair<Tensor, Tensor> linear_param_grads(const Tensor& g2, const Tensor& x2, const Tensor& w,
+                                             bool rw, bool rb) {
+  Tensor dw, db;
+  if (rw) {
+    Tensor grad = w.grad();
+    // Meta takes this path too, so that its allocations (no dw temporary) match the backend it
+    // mirrors.
+    const std::optional<DType> operands =
+        accumulates_in_place(w) ? weight_grad_operands(grad, g2.dtype()) : std::nullopt;
+    if (operands) {
+      const Backend backend = backend_of(grad.device());
+      Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(*operands), backend);  // (1, N, M)
+      Tensor xm = gemm_ready(x2.unsqueeze(0).to(*operands), backend);      // (1, M, K)
+      const double alpha = grad_weight();
+      const Tensor acc = grad.unsqueeze(0);  // (1, N, K)
+      launch(
+          "linear", grad.device(),
+          [&] { kernels::cpu::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); },
+          [&] { kernels::cuda::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); });
+      grad.bump_version();
+    } else {
+      dw = matmul(g2.t(), x2);
+    }
+  }
+  if (rb) db = sum(g2, {0});
+  return {dw, db};
+}
+}  // namespace
+
 // Note [Weight-gradient GEMM]: linear's backward writes dweight straight into the weight's
 // gradient buffer (a slot of the gradient arena) as `grad = w * dy^T x + 1 * grad`, the GEMM's
 // alpha = w (the micro-batch's accumulation weight) and beta = 1, so no temporary of the weight's
@@ -227,32 +260,115 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
           rb = bias.defined() && bias.requires_grad(), m, n, k](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
            Tensor w = sw.get();
-           Tensor dx, dw, db;
+           Tensor dx;
            if (rx) dx = matmul(g2, w).reshape(x_shape);
-           if (rw) {
-             Tensor x2 = sx.get().reshape({m, k});
-             Tensor grad = w.grad();
-             // Meta takes this path too, so that its allocations (no dw temporary) match the
-             // backend it mirrors.
-             const std::optional<DType> operands =
-                 accumulates_in_place(w) ? weight_grad_operands(grad, g2.dtype()) : std::nullopt;
-             if (operands) {
-               const Backend backend = backend_of(grad.device());
-               Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(*operands), backend);  // (1, N, M)
-               Tensor xm = gemm_ready(x2.unsqueeze(0).to(*operands), backend);      // (1, M, K)
-               const double alpha = grad_weight();
-               const Tensor acc = grad.unsqueeze(0);  // (1, N, K)
-               launch(
-                   "linear", grad.device(),
-                   [&] { kernels::cpu::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); },
-                   [&] { kernels::cuda::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); });
-               grad.bump_version();
-             } else {
-               dw = matmul(g2.t(), x2);
-             }
-           }
-           if (rb) db = sum(g2, {0});
+           auto [dw, db] = linear_param_grads(g2, rw ? sx.get().reshape({m, k}) : Tensor(), w, rw, rb);
            return std::vector<Tensor>{dx, dw, db};
+         });
+  return out.reshape(out_shape);
+}
+
+// Note [MLP in GEMM epilogues]: GPT's MLP, c_proj(gelu(c_fc(x))), as one node on CUDA. The
+// forward's first GEMM adds b1 and applies GELU in cuBLASLt's GELU_AUX_BIAS epilogue, writing
+// both GELU's input `pre` (kept for the backward, as gelu would keep it) and its output `h` (kept
+// by the second GEMM's weight gradient, as linear would); the second is linear's GEMM with b2 in
+// its epilogue. The backward's GEMM through w2 applies GELU's derivative in the DGELU epilogue and
+// writes the gradient of `pre` directly, so neither GELU's forward nor its backward reads and
+// writes the (M, hidden) activations in a pass of its own (at GPT-2 small's micro-batch 8 those
+// passes move about 250 MB a layer). The weight and bias gradients are linear's (the weights'
+// straight into their arena slots). Where Lt does not take a call the kernels compute the same in
+// separate passes into the same buffers, so the node's allocations, and meta's, do not depend on
+// it; GELU then takes the rounded `pre` where the epilogue takes the f32 sum.
+Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
+                const Tensor& b2) {
+  check_same_device("gelu_mlp", {x, w1, b1, w2, b2});
+  const bool all = b1.defined() && b2.defined() && w1.dim() == 2 && w2.dim() == 2 && x.dim() >= 1;
+  if (backend_of(x.device()) != Backend::cuda || !all) {
+    return linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
+  }
+  check_floating("gelu_mlp", x);
+  const std::int64_t k = w1.shape()[1], hidden = w1.shape()[0], n = w2.shape()[0];
+  MB_CHECK(x.shape().back() == k && w2.shape()[1] == hidden && b1.dim() == 1 &&
+               b1.shape()[0] == hidden && b2.dim() == 1 && b2.shape()[0] == n,
+           "[gelu_mlp] shapes do not chain: x {}, w1 {}, b1 {}, w2 {}, b2 {}", shape_str(x.shape()),
+           shape_str(w1.shape()), shape_str(b1.shape()), shape_str(w2.shape()),
+           shape_str(b2.shape()));
+  for (const Tensor* t : {&w1, &b1, &w2, &b2}) {
+    MB_CHECK(t->dtype() == x.dtype(), "[gelu_mlp] input is {} but a parameter is {}",
+             dtype_name(x.dtype()), dtype_name(t->dtype()));
+  }
+  const DType dt = x.dtype();
+  const Backend backend = Backend::cuda;
+  Shape out_shape(x.shape().begin(), x.shape().end() - 1);
+  const std::int64_t m = shape_numel(out_shape);
+  out_shape.push_back(n);
+  // GELU's input and output, rows padded to 16 bytes (Lt wants aux rows a multiple of 8 apart).
+  const std::int64_t ld_hidden = (hidden + 7) / 8 * 8;
+  auto rows = [&](std::int64_t cols, std::int64_t ld) {
+    Tensor t = empty({m, ld}, {.dtype = dt, .device = x.device()});
+    return ld == cols ? t : t.slice(1, 0, cols);
+  };
+  Tensor pre = rows(hidden, ld_hidden), h = rows(hidden, ld_hidden);
+  Tensor out = rows(n, padded_row(m, n, dt, backend));
+  {
+    NoGradGuard no_grad;
+    Tensor x2 = gemm_ready(x.reshape({1, m, k}), backend);          // (1, M, K)
+    Tensor w1t = gemm_ready(w1.t().unsqueeze(0), backend);          // (1, K, hidden)
+    Tensor w2t = gemm_ready(w2.t().unsqueeze(0), backend);          // (1, hidden, N)
+    Tensor b1c = b1.contiguous(), b2c = b2.contiguous();
+    launch(
+        "gelu_mlp", x.device(), [] { MB_ASSERT(false, "[gelu_mlp] the fused node is CUDA's"); },
+        [&] {
+          kernels::cuda::gemm_bias_gelu(x2.kview(), w1t.kview(), b1c.kview(),
+                                        h.unsqueeze(0).kview(), pre.unsqueeze(0).kview());
+          kernels::cuda::gemm_bias(h.unsqueeze(0).kview(), w2t.kview(), b2c.kview(),
+                                   out.unsqueeze(0).kview());
+        });
+  }
+  // GELU's input and output, dropped inside the backward as soon as it is done with each, as the
+  // composition's nodes would have been released by then (Note [Releasing saved tensors]).
+  struct Activations {
+    Tensor pre, h;
+  };
+  auto acts = std::make_shared<Activations>(Activations{pre, h});
+  pre = Tensor();
+  h = Tensor();
+  record("gelu_mlp", {x, w1, b1, w2, b2}, out,
+         [sx = SavedTensor(x, "gelu_mlp"), sw1 = SavedTensor(w1, "gelu_mlp"),
+          sw2 = SavedTensor(w2, "gelu_mlp"), acts, x_shape = x.shape(), m, k, hidden, n,
+          ld_hidden, dt, rx = x.requires_grad(), rw1 = w1.requires_grad(),
+          rb1 = b1.requires_grad(), rw2 = w2.requires_grad(),
+          rb2 = b2.requires_grad()](const Tensor& g) {
+           Tensor g2 = g.reshape({m, n});
+           if (g2.dtype() != dt) g2 = g2.to(dt);
+           Tensor w1v = sw1.get(), w2v = sw2.get();
+           // The second linear's parameters, then GELU's input's gradient through w2.
+           const bool keep = retaining_graph();
+           auto [dw2, db2] = linear_param_grads(g2, acts->h, w2v, rw2, rb2);
+           if (!keep) acts->h = Tensor();
+           Tensor dpre = empty({m, ld_hidden}, {.dtype = g2.dtype(), .device = g2.device()});
+           if (ld_hidden != hidden) dpre = dpre.slice(1, 0, hidden);
+           {
+             NoGradGuard no_grad;
+             Tensor g3 = gemm_ready(g2.unsqueeze(0), Backend::cuda);           // (1, M, N)
+             Tensor w2m = gemm_ready(w2v.unsqueeze(0), Backend::cuda);         // (1, N, hidden)
+             launch(
+                 "gelu_mlp", g2.device(),
+                 [] { MB_ASSERT(false, "[gelu_mlp] the fused node is CUDA's"); },
+                 [&] {
+                   kernels::cuda::gemm_dgelu(g3.kview(), w2m.kview(),
+                                             acts->pre.unsqueeze(0).kview(),
+                                             dpre.unsqueeze(0).kview());
+                 });
+           }
+           if (!keep) acts->pre = Tensor();
+           // The first linear's.
+           Tensor x2 = (rw1 ? sx.get() : Tensor());
+           auto [dw1, db1] =
+               linear_param_grads(dpre, rw1 ? x2.reshape({m, k}) : Tensor(), w1v, rw1, rb1);
+           Tensor dx;
+           if (rx) dx = matmul(dpre, w1v).reshape(x_shape);
+           return std::vector<Tensor>{dx, dw1, db1, dw2, db2};
          });
   return out.reshape(out_shape);
 }

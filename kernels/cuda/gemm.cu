@@ -33,6 +33,7 @@
 #include <string>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/elementwise.h"
 #include "kernels/gemm.h"
 
 namespace microbatch::kernels::cuda {
@@ -121,9 +122,10 @@ std::uint32_t alignment_of(const void* p) {
 struct LtKey {
   int device;
   DType dtype;
+  int epilogue;
   int op_b, op_a;
-  std::int64_t m, n, k, ldb, lda, ldc;
-  std::uint32_t align_b, align_a, align_c, align_bias;
+  std::int64_t m, n, k, ldb, lda, ldc, ld_aux;
+  std::uint32_t align_b, align_a, align_c, align_bias, align_aux;
   auto operator<=>(const LtKey&) const = default;
 };
 
@@ -235,109 +237,154 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
 bool gemm_bias_epilogue() { return epilogue_wanted(); }
 void set_gemm_bias_epilogue(bool on) { epilogue_wanted() = on; }
 
-void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bias,
-               const StridedView& c) {
-  MB_CHECK(a.ndim == 3 && b.ndim == 3 && c.ndim == 3 && c.shape[0] == 1,
-           "[gemm_bias] expected 3-d views with one batch: a {}, b {}, c {}", describe(a),
-           describe(b), describe(c));
-  const std::int64_t m = c.shape[1], n = c.shape[2], k = a.shape[2];
-  MB_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == c.dtype,
-           "[gemm_bias] bias {} must be ({},) of c's dtype: c {}", describe(bias), n, describe(c));
-  MB_CHECK(a.shape[1] == m && b.shape[1] == k && b.shape[2] == n,
-           "[gemm_bias] shapes do not chain: a {} @ b {} -> c {}", describe(a), describe(b),
-           describe(c));
-  if (m == 0 || n == 0) return;
+namespace {
 
-  // The Lt path: one product, 16-bit or f32 in and out alike, a packed bias, a row-major c.
+// What a cuBLASLt call adds to the product: the epilogue, its bias (or nullptr) and its auxiliary
+// matrix (GELU's input, (M, N) row-major with row stride aux_ld; or nullptr).
+struct LtEpilogue {
+  cublasLtEpilogue_t kind = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+  std::int64_t aux_ld = 0;
+};
+
+// c = a @ b with the epilogue, through cuBLASLt: true when done, false when Lt does not take the
+// call (the caller then computes the same another way). a (1, M, K), b (1, K, N), c (1, M, N)
+// row-major, one dtype of f32, f16 or bf16; a packed, 16-byte aligned bias and aux.
+bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
+               const LtEpilogue& e) {
+  const std::int64_t m = c.shape[1], n = c.shape[2], k = a.shape[2];
   const bool lt_types = a.dtype == b.dtype && a.dtype == c.dtype &&
                         (a.dtype == DType::f32 || a.dtype == DType::f16 || a.dtype == DType::bf16);
   const BlasMatrix mc = blas_matrix(m, n, c.strides[1], c.strides[2]);
   const BlasMatrix ma = blas_matrix(m, k, a.strides[1], a.strides[2]);
   const BlasMatrix mb = blas_matrix(k, n, b.strides[1], b.strides[2]);
   const bool lt_layout = k > 0 && a.shape[0] == 1 && b.shape[0] == 1 && mc.ok && mc.row_major &&
-                         ma.ok && mb.ok && (n == 1 || bias.strides[0] == 1) && m <= INT_MAX &&
-                         n <= INT_MAX && k <= INT_MAX;
-  // The bias must be 16-byte aligned too: Lt has no alignment preference for it, and an
-  // under-aligned one (a bias at an odd place in the parameter arena) takes the fallback.
-  const bool lt_bias = n == 1 || alignment_of(bias.data) >= 16;
-  if (epilogue_wanted() && lt_types && lt_layout && lt_bias) {
-    // D^T (N, M) = op(B) (N, K) @ op(A) (K, M) + bias over D^T's rows (Note [Row-major GEMM on
-    // cuBLAS]): cuBLASLt's first operand is b, its second a.
-    const cublasOperation_t op_b = mb.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
-    const cublasOperation_t op_a = ma.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
-    const cudaDataType_t type = blas_type(c.dtype);
-    int device = 0;
-    MB_CUDA_CHECK(cudaGetDevice(&device));
-    const LtKey key{.device = device,
-                    .dtype = c.dtype,
-                    .op_b = static_cast<int>(op_b),
-                    .op_a = static_cast<int>(op_a),
-                    .m = m,
-                    .n = n,
-                    .k = k,
-                    .ldb = mb.ld,
-                    .lda = ma.ld,
-                    .ldc = mc.ld,
-                    .align_b = alignment_of(b.data),
-                    .align_a = alignment_of(a.data),
-                    .align_c = alignment_of(c.data),
-                    .align_bias = alignment_of(bias.data)};
-    LtDescs d;
-    MB_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSA, op_b);
-    set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSB, op_a);
-    set_desc(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
-    set_desc(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias.data);
-    // The stored matrices: op N reads (rows, cols) as given, op T their transpose.
-    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, type, op_b == CUBLAS_OP_N ? n : k,
-                                               op_b == CUBLAS_OP_N ? k : n, mb.ld));
-    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, type, op_a == CUBLAS_OP_N ? k : m,
-                                               op_a == CUBLAS_OP_N ? m : k, ma.ld));
-    MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, type, n, m, mc.ld));
-    std::size_t workspace_bytes = 0;
-    void* workspace = cublas_workspace(&workspace_bytes);
+                         ma.ok && mb.ok && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX;
+  // Lt has no alignment preference for the bias and aux: an under-aligned one (a bias at an odd
+  // place in the parameter arena) is not offered; aux rows must be a multiple of 8 apart.
+  const bool lt_vectors = (e.bias == nullptr || n == 1 || alignment_of(e.bias) >= 16) &&
+                          (e.aux == nullptr || (alignment_of(e.aux) >= 16 && e.aux_ld % 8 == 0 &&
+                                                e.aux_ld >= n));
+  if (!epilogue_wanted() || !lt_types || !lt_layout || !lt_vectors) return false;
 
-    LtChoice choice;
-    {
-      std::lock_guard lock(g_lt_mutex);
-      auto it = lt_algos().find(key);
-      if (it != lt_algos().end()) {
-        choice = it->second;
+  // D^T (N, M) = op(B) (N, K) @ op(A) (K, M), the epilogue over D^T's rows (Note [Row-major GEMM
+  // on cuBLAS]): cuBLASLt's first operand is b, its second a.
+  const cublasOperation_t op_b = mb.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cublasOperation_t op_a = ma.row_major ? CUBLAS_OP_N : CUBLAS_OP_T;
+  const cudaDataType_t type = blas_type(c.dtype);
+  int device = 0;
+  MB_CUDA_CHECK(cudaGetDevice(&device));
+  const LtKey key{.device = device,
+                  .dtype = c.dtype,
+                  .epilogue = static_cast<int>(e.kind),
+                  .op_b = static_cast<int>(op_b),
+                  .op_a = static_cast<int>(op_a),
+                  .m = m,
+                  .n = n,
+                  .k = k,
+                  .ldb = mb.ld,
+                  .lda = ma.ld,
+                  .ldc = mc.ld,
+                  .ld_aux = e.aux_ld,
+                  .align_b = alignment_of(b.data),
+                  .align_a = alignment_of(a.data),
+                  .align_c = alignment_of(c.data),
+                  .align_bias = e.bias != nullptr ? alignment_of(e.bias) : 0,
+                  .align_aux = e.aux != nullptr ? alignment_of(e.aux) : 0};
+  LtDescs d;
+  MB_CUBLAS_CHECK(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSA, op_b);
+  set_desc(d.op, CUBLASLT_MATMUL_DESC_TRANSB, op_a);
+  set_desc(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, e.kind);
+  if (e.bias != nullptr) set_desc(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, e.bias);
+  if (e.aux != nullptr) {
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, e.aux);
+    set_desc(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, e.aux_ld);
+  }
+  // The stored matrices: op N reads (rows, cols) as given, op T their transpose.
+  MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.a, type, op_b == CUBLAS_OP_N ? n : k,
+                                             op_b == CUBLAS_OP_N ? k : n, mb.ld));
+  MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.b, type, op_a == CUBLAS_OP_N ? k : m,
+                                             op_a == CUBLAS_OP_N ? m : k, ma.ld));
+  MB_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&d.c, type, n, m, mc.ld));
+  std::size_t workspace_bytes = 0;
+  void* workspace = cublas_workspace(&workspace_bytes);
+
+  LtChoice choice;
+  {
+    std::lock_guard lock(g_lt_mutex);
+    auto it = lt_algos().find(key);
+    if (it != lt_algos().end()) {
+      choice = it->second;
+    } else {
+      MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+      // Split-K partial sums in f32, never in a 16-bit output type (as gemm's math mode).
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+               static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
+      set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
+      cublasLtMatmulHeuristicResult_t result{};
+      int found = 0;
+      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+          cublaslt_handle(), d.op, d.a, d.b, d.c, d.c, d.pref, 1, &result, &found);
+      if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+        choice = {.ok = true, .algo = result.algo};
       } else {
-        MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
-        // Split-K partial sums in f32, never in a 16-bit output type (as gemm's math mode).
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                 static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE));
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_a);
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c);
-        set_pref(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_c);
-        cublasLtMatmulHeuristicResult_t result{};
-        int found = 0;
-        const cublasStatus_t status =
-            cublasLtMatmulAlgoGetHeuristic(cublaslt_handle(), d.op, d.a, d.b, d.c, d.c, d.pref, 1,
-                                           &result, &found);
-        if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
-          choice = {.ok = true, .algo = result.algo};
-        } else {
-          MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
-                   "[gemm_bias] cublasLtMatmulAlgoGetHeuristic failed: {}",
-                   cublas_status_name(status));
-        }
-        lt_algos().emplace(key, choice);
+        MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
+                 "[gemm] cublasLtMatmulAlgoGetHeuristic failed: {}", cublas_status_name(status));
       }
+      lt_algos().emplace(key, choice);
     }
-    if (choice.ok) {
-      const float one = 1.0f, zero = 0.0f;
-      const cublasStatus_t status =
-          cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero, c.data,
-                         d.c, c.data, d.c, &choice.algo, workspace, workspace_bytes, current_stream());
-      if (status == CUBLAS_STATUS_SUCCESS) return;
-      // Refused after all: this shape takes the fallback from now on (it overwrites all of c).
-      std::lock_guard lock(g_lt_mutex);
-      lt_algos()[key].ok = false;
-    }
+  }
+  if (!choice.ok) return false;
+  const float one = 1.0f, zero = 0.0f;
+  const cublasStatus_t status =
+      cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero, c.data, d.c,
+                     c.data, d.c, &choice.algo, workspace, workspace_bytes, current_stream());
+  if (status == CUBLAS_STATUS_SUCCESS) return true;
+  // Refused after all: this shape takes the other way from now on (c is overwritten by it).
+  std::lock_guard lock(g_lt_mutex);
+  lt_algos()[key].ok = false;
+  return false;
+}
+
+void check_one_product(const char* op, const StridedView& a, const StridedView& b,
+                       const StridedView& c) {
+  MB_CHECK(a.ndim == 3 && b.ndim == 3 && c.ndim == 3 && c.shape[0] == 1,
+           "[{}] expected 3-d views with one batch: a {}, b {}, c {}", op, describe(a), describe(b),
+           describe(c));
+  MB_CHECK(a.shape[1] == c.shape[1] && b.shape[1] == a.shape[2] && b.shape[2] == c.shape[2],
+           "[{}] shapes do not chain: a {} @ b {} -> c {}", op, describe(a), describe(b),
+           describe(c));
+}
+
+// A (1, M, N) row-major view's rows as a 2-d view, for the element-wise kernels.
+StridedView rows_of(const StridedView& v) {
+  StridedView r = v;
+  r.ndim = 2;
+  r.shape[0] = v.shape[1];
+  r.shape[1] = v.shape[2];
+  r.strides[0] = v.strides[1];
+  r.strides[1] = v.strides[2];
+  return r;
+}
+
+}  // namespace
+
+void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bias,
+               const StridedView& c) {
+  check_one_product("gemm_bias", a, b, c);
+  const std::int64_t m = c.shape[1], n = c.shape[2];
+  MB_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == c.dtype,
+           "[gemm_bias] bias {} must be ({},) of c's dtype: c {}", describe(bias), n, describe(c));
+  if (m == 0 || n == 0) return;
+  if ((n == 1 || bias.strides[0] == 1) &&
+      lt_matmul(a, b, c, {.kind = CUBLASLT_EPILOGUE_BIAS, .bias = bias.data})) {
+    return;
   }
   // Without the epilogue: the bias rows first, then the product added onto them.
   dispatch_float(c.dtype, "gemm_bias", [&]<class T>() {
@@ -346,6 +393,46 @@ void gemm_bias(const StridedView& a, const StridedView& b, const StridedView& bi
     MB_CUDA_CHECK_LAUNCH("bias_rows_kernel");
   });
   gemm(a, b, c, 1.0, 1.0);
+}
+
+void gemm_bias_gelu(const StridedView& a, const StridedView& b, const StridedView& bias,
+                    const StridedView& out, const StridedView& pre) {
+  check_one_product("gemm_bias_gelu", a, b, out);
+  const std::int64_t m = out.shape[1], n = out.shape[2];
+  MB_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == out.dtype && pre.ndim == 3 &&
+               pre.shape[1] == m && pre.shape[2] == n && pre.dtype == out.dtype &&
+               pre.strides[2] == 1,
+           "[gemm_bias_gelu] bias {} and pre {} do not match out {}", describe(bias), describe(pre),
+           describe(out));
+  if (m == 0 || n == 0) return;
+  if ((n == 1 || bias.strides[0] == 1) &&
+      lt_matmul(a, b, out,
+                {.kind = CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+                 .bias = bias.data,
+                 .aux = pre.data,
+                 .aux_ld = m == 1 ? ((n + 7) / 8) * 8 : pre.strides[1]})) {
+    return;
+  }
+  gemm_bias(a, b, bias, pre);
+  unary(UnaryOp::GeluTanh, rows_of(out), rows_of(pre));
+}
+
+void gemm_dgelu(const StridedView& a, const StridedView& b, const StridedView& pre,
+                const StridedView& out) {
+  check_one_product("gemm_dgelu", a, b, out);
+  const std::int64_t m = out.shape[1], n = out.shape[2];
+  MB_CHECK(pre.ndim == 3 && pre.shape[1] == m && pre.shape[2] == n && pre.dtype == out.dtype &&
+               pre.strides[2] == 1,
+           "[gemm_dgelu] pre {} does not match out {}", describe(pre), describe(out));
+  if (m == 0 || n == 0) return;
+  if (lt_matmul(a, b, out,
+                {.kind = CUBLASLT_EPILOGUE_DGELU,
+                 .aux = pre.data,
+                 .aux_ld = m == 1 ? ((n + 7) / 8) * 8 : pre.strides[1]})) {
+    return;
+  }
+  gemm(a, b, out, 1.0, 0.0);
+  binary(BinaryOp::GeluTanhBackward, rows_of(out), rows_of(pre), rows_of(out));
 }
 
 }  // namespace microbatch::kernels::cuda

@@ -68,6 +68,13 @@ void gemm(const StridedView&, const StridedView&, const StridedView&, double, do
 void gemm_bias(const StridedView&, const StridedView&, const StridedView&, const StridedView&) {
   no_cuda("cuda::gemm_bias");
 }
+void gemm_bias_gelu(const StridedView&, const StridedView&, const StridedView&, const StridedView&,
+                    const StridedView&) {
+  no_cuda("cuda::gemm_bias_gelu");
+}
+void gemm_dgelu(const StridedView&, const StridedView&, const StridedView&, const StridedView&) {
+  no_cuda("cuda::gemm_dgelu");
+}
 bool gemm_bias_epilogue() { return false; }  // no device, no epilogue
 void set_gemm_bias_epilogue(bool) {}
 void im2col(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::im2col"); }

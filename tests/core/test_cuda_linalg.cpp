@@ -34,6 +34,13 @@ Tensor to_dtype(const Tensor& t, DType dtype) {
 
 std::string label(const std::string& what, DType dtype) { return what + " " + dtype_name(dtype); }
 
+// The (d, d) f32 identity.
+Tensor eye_matrix(std::int64_t d) {
+  std::vector<double> v(static_cast<std::size_t>(d * d), 0.0);
+  for (std::int64_t i = 0; i < d; ++i) v[static_cast<std::size_t>(i * d + i)] = 1.0;
+  return from_vector(v, {d, d}, {.dtype = DType::f32});
+}
+
 }  // namespace
 
 // ---- CPU: the layout rules and meta's predictions ---------------------------------------------
@@ -267,6 +274,46 @@ TEST_CASE("meta mirroring CUDA: 16-bit linear rows are padded to 16 bytes, and t
   }
 }
 
+TEST_CASE("meta mirroring CUDA: gelu_mlp is one node that makes no GELU-gradient temporary") {
+  // Note [MLP in GEMM epilogues]: a bf16 MLP step on meta standing in for CUDA peaks below the
+  // composition's, which holds GELU's output gradient and its input gradient at once, and the
+  // gradients keep their shapes; the CPU composes the MLP, so there the two are the same.
+  const std::int64_t m = 1024, k = 128, hidden = 512, n = 128;  // activations outweigh weights
+  auto peak = [&](Backend backend, bool fused) {
+    MetaBackendGuard mirror(backend);
+    const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
+    Tensor x = empty({m, k}, o).requires_grad_(true);
+    Tensor w1 = empty({hidden, k}, o).requires_grad_(true), b1 = empty({hidden}, o).requires_grad_(true);
+    Tensor w2 = empty({n, hidden}, o).requires_grad_(true), b2 = empty({n}, o).requires_grad_(true);
+    reset_peak_memory_stats(kMeta);
+    const std::int64_t start = memory_stats(kMeta).allocated.current;
+    {
+      Tensor y = fused ? gelu_mlp(x, w1, b1, w2, b2)
+                       : linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
+      CHECK(y.shape() == Shape{m, n});
+      sum(y).backward();
+      for (const Tensor* t : {&x, &w1, &b1, &w2, &b2}) CHECK(t->grad().shape() == t->shape());
+    }
+    return memory_stats(kMeta).allocated.peak - start;
+  };
+  // With retain_graph the node keeps GELU's input and output for a second backward.
+  {
+    MetaBackendGuard mirror(Backend::cuda);
+    const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
+    Tensor x = empty({m, k}, o).requires_grad_(true);
+    Tensor w1 = empty({hidden, k}, o).requires_grad_(true), w2 = empty({n, hidden}, o).requires_grad_(true);
+    Tensor y = gelu_mlp(x, w1, empty({hidden}, o), w2, empty({n}, o));
+    sum(y).backward({.retain_graph = true});
+    CHECK(retaining_graph() == false);  // only while a backward runs
+    sum(y).backward();
+    CHECK(x.grad().shape() == x.shape());
+  }
+  const std::int64_t fused = peak(Backend::cuda, true), composed = peak(Backend::cuda, false);
+  INFO("peaks on meta mirroring CUDA: fused " << fused << ", composed " << composed);
+  CHECK(fused + m * hidden * 2 <= composed);  // one (M, hidden) bf16 temporary fewer
+  CHECK(peak(Backend::cpu, true) == peak(Backend::cpu, false));
+}
+
 TEST_CASE("meta mirroring CUDA: conv2d and max_pool2d give shapes and run no kernel") {
   MetaBackendGuard mirror(Backend::cuda);
   for (DType dt : {DType::f32, DType::bf16}) {
@@ -413,6 +460,83 @@ MB_CUDA_TEST_CASE("cuda linear into cross_entropy: padded 16-bit rows, values an
                         {leaf({rows, 64}, dt, 1), leaf({v, 64}, dt, 2), leaf({v}, dt, 3)},
                         parity_tolerance(dt));
     }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda gelu_mlp matches the CPU's composition: values and gradients") {
+  // Note [MLP in GEMM epilogues]. Hidden widths that are and are not a multiple of 8 (GELU's input
+  // rows then padded), an odd output width (padded 16-bit rows), one row, a 3-d input.
+  auto f = [](const std::vector<Tensor>& in) { return gelu_mlp(in[0], in[1], in[2], in[3], in[4]); };
+  struct Shape4 {
+    Shape x;
+    std::int64_t hidden, n;
+  };
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    for (const Shape4& c : {Shape4{{2, 5, 64}, 256, 64}, Shape4{{7, 48}, 100, 33},
+                            Shape4{{1, 32}, 64, 16}, Shape4{{300, 96}, 384, 96}}) {
+      const std::int64_t k = c.x.back();
+      check_cuda_parity(label("gelu_mlp hidden " + std::to_string(c.hidden), dt), f,
+                        {leaf(c.x, dt, 1), leaf({c.hidden, k}, dt, 2), leaf({c.hidden}, dt, 3),
+                         leaf({c.n, c.hidden}, dt, 4), leaf({c.n}, dt, 5)},
+                        parity_tolerance(dt));
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda gelu_mlp: the GPU's GELU and its derivative are the tanh approximation") {
+  // Identity weights, zero biases: out = GELU(x) and dx = GELU'(x) * 1 for x around 2 to 2.7, where
+  // the tanh approximation and erf's GELU differ by up to 4.7e-4 (GELU) and 8.7e-4 (GELU'). In f32
+  // the products are exact, so the GPU must land within 3e-5 of the CPU's tanh formulas whether
+  // cuBLASLt's epilogues or the element-wise kernels ran.
+  const std::int64_t d = 64;
+  std::vector<double> xs(static_cast<std::size_t>(8 * d));
+  for (std::size_t i = 0; i < xs.size(); ++i) xs[i] = 1.9 + 0.8 * static_cast<double>(i % 97) / 96.0;
+  const Tensor x0 = from_vector(xs, {8, d}, {.dtype = DType::f32});
+  const Tensor eye = eye_matrix(d);
+  for (bool epilogue : {true, false}) {
+    struct Restore {
+      bool was = kernels::cuda::gemm_bias_epilogue();
+      ~Restore() { kernels::cuda::set_gemm_bias_epilogue(was); }
+    } restore;
+    kernels::cuda::set_gemm_bias_epilogue(epilogue);
+    CAPTURE(epilogue);
+    auto run = [&](Device device) {
+      Tensor x = x0.to(device).detach().requires_grad_(true);
+      Tensor y = gelu_mlp(x, eye.to(device), zeros({d}, {.device = device}), eye.to(device),
+                          zeros({d}, {.device = device}));
+      sum(y).backward();
+      return std::pair{y.to(kCPU), x.grad().to(kCPU)};
+    };
+    const auto [y_gpu, dx_gpu] = run(cuda_device(0));
+    const auto [y_cpu, dx_cpu] = run(kCPU);
+    check_close(y_gpu.to(DType::f64), y_cpu.to(DType::f64), 0.0, 3e-5, "GELU");
+    check_close(dx_gpu.to(DType::f64), dx_cpu.to(DType::f64), 0.0, 3e-5, "GELU'");
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda gelu_mlp: the epilogues and the separate passes agree") {
+  struct Restore {
+    bool was = kernels::cuda::gemm_bias_epilogue();
+    ~Restore() { kernels::cuda::set_gemm_bias_epilogue(was); }
+  } restore;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Device gpu = cuda_device(0);
+    std::vector<Tensor> in = {leaf({256, 128}, dt, 1), leaf({512, 128}, dt, 2), leaf({512}, dt, 3),
+                              leaf({128, 512}, dt, 4), leaf({128}, dt, 5)};
+    auto run = [&](bool epilogue) {
+      kernels::cuda::set_gemm_bias_epilogue(epilogue);
+      std::vector<Tensor> p;
+      for (const Tensor& t : in) p.push_back(t.detach().to(gpu).requires_grad_(true));
+      Tensor y = gelu_mlp(p[0], p[1], p[2], p[3], p[4]);
+      sum(y * y).backward();
+      std::vector<Tensor> out = {y.to(kCPU).to(DType::f64)};
+      for (const Tensor& t : p) out.push_back(t.grad().to(kCPU).to(DType::f64));
+      return out;
+    };
+    const std::vector<Tensor> fused = run(true), separate = run(false);
+    const ParityOptions tol = parity_tolerance(dt);
+    for (std::size_t i = 0; i < fused.size(); ++i)
+      check_close(fused[i], separate[i], tol.rtol, tol.atol, label("output/gradient " + std::to_string(i), dt));
   }
 }
 
