@@ -74,6 +74,11 @@ void gemm_dgelu(const StridedView& a, const StridedView& b, const StridedView& p
 /// process (tests compare both ways).
 bool gemm_bias_epilogue();
 void set_gemm_bias_epilogue(bool on);
+
+/// How many cuBLASLt calls with each epilogue this process has run (not counting those that fell
+/// back to separate passes): tests check that the epilogues are taken where they should be.
+enum class LtCall { bias, gelu, dgelu };
+std::int64_t lt_epilogue_calls(LtCall kind);
 }  // namespace cuda
 
 }  // namespace microbatch::kernels

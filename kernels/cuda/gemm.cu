@@ -22,6 +22,7 @@
 // Precision: f32 runs with CUBLAS_COMPUTE_32F, never TF32 (f32 means f32); f16 and bf16 inputs
 // accumulate in f32 (CUBLAS_COMPUTE_32F, tensor cores) and round once into a 16-bit or f32 C; f64
 // runs in f64. alpha and beta are passed in the compute type (float, or double for f64).
+#include <atomic>
 #include <climits>
 #include <compare>
 #include <cstdint>
@@ -168,6 +169,9 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
   MB_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(p, attr, &value, sizeof(value)));
 }
 
+// cuBLASLt calls done, by epilogue (lt_epilogue_calls).
+std::atomic<std::int64_t> g_lt_bias{0}, g_lt_gelu{0}, g_lt_dgelu{0};
+
 // Whether the bias epilogue is wanted: on unless MB_CUBLASLT_EPILOGUE is "0" (read once).
 bool& epilogue_wanted() {
   static bool wanted = [] {
@@ -232,6 +236,15 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
       alpha_ptr, b.data, in_type, static_cast<int>(ob.ld), ob.batch_stride, a.data, in_type,
       static_cast<int>(oa.ld), oa.batch_stride, beta_ptr, c.data, out_type, static_cast<int>(mc.ld),
       c_batch_stride, static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
+}
+
+std::int64_t lt_epilogue_calls(LtCall kind) {
+  switch (kind) {
+    case LtCall::bias: return g_lt_bias.load();
+    case LtCall::gelu: return g_lt_gelu.load();
+    case LtCall::dgelu: return g_lt_dgelu.load();
+  }
+  return 0;
 }
 
 bool gemm_bias_epilogue() { return epilogue_wanted(); }
@@ -345,7 +358,13 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
   const cublasStatus_t status =
       cublasLtMatmul(cublaslt_handle(), d.op, &one, b.data, d.a, a.data, d.b, &zero, c.data, d.c,
                      c.data, d.c, &choice.algo, workspace, workspace_bytes, current_stream());
-  if (status == CUBLAS_STATUS_SUCCESS) return true;
+  if (status == CUBLAS_STATUS_SUCCESS) {
+    (e.kind == CUBLASLT_EPILOGUE_BIAS            ? g_lt_bias
+     : e.kind == CUBLASLT_EPILOGUE_GELU_AUX_BIAS ? g_lt_gelu
+                                                 : g_lt_dgelu)
+        .fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
   // Refused after all: this shape takes the other way from now on (c is overwritten by it).
   std::lock_guard lock(g_lt_mutex);
   lt_algos()[key].ok = false;
@@ -422,8 +441,9 @@ void gemm_dgelu(const StridedView& a, const StridedView& b, const StridedView& p
   check_one_product("gemm_dgelu", a, b, out);
   const std::int64_t m = out.shape[1], n = out.shape[2];
   MB_CHECK(pre.ndim == 3 && pre.shape[1] == m && pre.shape[2] == n && pre.dtype == out.dtype &&
-               pre.strides[2] == 1,
-           "[gemm_dgelu] pre {} does not match out {}", describe(pre), describe(out));
+               pre.strides[2] == 1 && pre.data != out.data,
+           "[gemm_dgelu] pre {} does not match out {}, or is out itself", describe(pre),
+           describe(out));
   if (m == 0 || n == 0) return;
   if (lt_matmul(a, b, out,
                 {.kind = CUBLASLT_EPILOGUE_DGELU,

@@ -76,6 +76,7 @@ void gemm_dgelu(const StridedView&, const StridedView&, const StridedView&, cons
   no_cuda("cuda::gemm_dgelu");
 }
 bool gemm_bias_epilogue() { return false; }  // no device, no epilogue
+std::int64_t lt_epilogue_calls(LtCall) { return 0; }
 void set_gemm_bias_epilogue(bool) {}
 void im2col(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::im2col"); }
 void col2im(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::col2im"); }
