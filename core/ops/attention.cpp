@@ -62,6 +62,54 @@ Tensor empty_laid_out_like(const Tensor& like) {
   return empty(dense_shape, options).permute(inverse);
 }
 
+// Whether q, k and v are three disjoint, equally laid out pieces of one buffer w elements apart
+// (GPT's heads, split from one (B, T, 3C) projection): same storage, shape, strides and dtype,
+// offsets o, o + w, o + 2w, and, with the dims of unit-stride-chained strides forming a dense
+// inner block of E elements, w >= E and 2w + E within the smallest other stride, the other dims
+// not overlapping one another. Then their gradients can be laid out the same way in one buffer,
+// which split's backward takes whole (Note [Pieces that tile their input] in core/ops/shape.cpp).
+// Returns w, or 0.
+std::int64_t sibling_spacing(const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (!q.same_storage(k) || !q.same_storage(v) || q.shape() != k.shape() || q.shape() != v.shape() ||
+      q.strides() != k.strides() || q.strides() != v.strides() || q.dtype() != k.dtype() ||
+      q.dtype() != v.dtype()) {
+    return 0;
+  }
+  const std::int64_t w = k.offset() - q.offset();
+  if (w <= 0 || v.offset() - k.offset() != w) return 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> dims;  // (stride, size) of dims of size > 1
+  for (int i = 0; i < q.dim(); ++i) {
+    if (q.shape()[i] > 1) dims.emplace_back(q.strides()[i], q.shape()[i]);
+  }
+  std::sort(dims.begin(), dims.end());
+  std::int64_t inner = 1;
+  std::size_t i = 0;
+  for (; i < dims.size() && dims[i].first == inner; ++i) inner *= dims[i].second;
+  if (w < inner) return 0;
+  std::int64_t reach = 2 * w + inner;  // one outer position's three blocks end before this
+  for (; i < dims.size(); ++i) {
+    if (dims[i].first < reach) return 0;
+    reach = dims[i].first * dims[i].second;
+  }
+  return w;
+}
+
+// Empty gradients for q, k and v: one buffer laid out as their common one when they are siblings
+// (sibling_spacing), else each laid out as its input (empty_laid_out_like).
+std::vector<Tensor> attention_gradients(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const std::int64_t w = sibling_spacing(q, k, v);
+  if (w == 0) return {empty_laid_out_like(q), empty_laid_out_like(k), empty_laid_out_like(v)};
+  std::int64_t extent = 1;  // elements from q's first to its last, inclusive
+  for (int i = 0; i < q.dim(); ++i) extent += (q.shape()[i] - 1) * q.strides()[i];
+  Tensor buffer = empty({2 * w + extent}, {.dtype = q.dtype(), .device = q.device()});
+  std::vector<Tensor> out;
+  for (std::int64_t piece = 0; piece < 3; ++piece) {
+    out.push_back(make_strided(buffer.storage(), q.shape(), q.strides(),
+                               buffer.offset() + piece * w, q.dtype()));
+  }
+  return out;
+}
+
 // Saves q, k, v, out and lse (.., T) f32; backward writes dq, dk, dv (and a (.., T) f32 delta).
 Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale,
                        bool causal) {
@@ -96,8 +144,8 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double
            Tensor dout = unit_stride_rows(g.dtype() == ov.dtype() ? g : g.to(ov.dtype()));
            Tensor delta =
                empty(rows_shape, {.dtype = DType::f32, .device = qv.device()});  // (.., T)
-           Tensor dq = empty_laid_out_like(qv), dk = empty_laid_out_like(kv),
-                  dv = empty_laid_out_like(vv);
+           const std::vector<Tensor> grads = attention_gradients(qv, kv, vv);
+           const Tensor &dq = grads[0], &dk = grads[1], &dv = grads[2];
            launch(
                kOp, qv.device(),
                [] { MB_ASSERT(false, "the fused attention kernel has no CPU version"); },
@@ -106,7 +154,7 @@ Tensor fused_attention(const Tensor& q, const Tensor& k, const Tensor& v, double
                                                    dout.kview(), lse.kview(), delta.kview(),
                                                    dq.kview(), dk.kview(), dv.kview(), args);
                });
-           return std::vector<Tensor>{dq, dk, dv};
+           return grads;
          });
   return out;
 }

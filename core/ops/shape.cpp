@@ -2,7 +2,8 @@
 // and copies each input into its slice; its backward hands each input its slice of the gradient (a
 // view; overwrites, nothing saved but sizes). stack is cat of unsqueezed inputs, so it shares that
 // backward. split's pieces are views; its backward is cat's forward: one buffer of the input's
-// shape, each piece's gradient copied into its slice (overwrites).
+// shape, each piece's gradient copied into its slice (overwrites), unless the gradients already
+// are the slices of one such buffer (Note [Pieces that tile their input]).
 #include <algorithm>
 
 #include "core/autograd.h"
@@ -25,6 +26,33 @@ void check_same_kind(const char* op, const std::vector<Tensor>& tensors) {
              "[{}] tensor {} is on {} but tensor 0 is on {}", op, i, tensors[i].device().str(),
              first.device().str());
   }
+}
+
+// Note [Pieces that tile their input]: when split's pieces' gradients are the slices of one dense
+// buffer of the input's shape (the fused attention writes dq, dk and dv so, Note [Attention
+// outputs where the inputs lie] in core/ops/attention.cpp), that buffer is the input's gradient
+// and nothing is copied. Every gradient must be defined and lie exactly where its slice of a dense
+// tensor of shape `from` starting at the first one's offset would: then the slices cover that
+// region once and nothing else.
+Tensor tiled_gradient(const std::vector<Tensor>& grads, const Shape& from, DType dtype,
+                      const std::vector<std::int64_t>& sizes, int d) {
+  if (grads.empty() || !grads[0].defined()) return {};
+  Shape dense(from.size(), 1);
+  for (int i = static_cast<int>(from.size()) - 2; i >= 0; --i) dense[i] = dense[i + 1] * from[i + 1];
+  const Tensor& first = grads[0];
+  std::int64_t start = 0;
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    const Tensor& g = grads[i];
+    if (!g.defined() || !g.same_storage(first) || g.dtype() != dtype) return {};
+    if (g.offset() != first.offset() + start * dense[d]) return {};
+    for (std::size_t j = 0; j < from.size(); ++j) {
+      const std::int64_t size = static_cast<int>(j) == d ? sizes[i] : from[j];
+      if (g.shape()[j] != size) return {};
+      if (size > 1 && g.strides()[j] != dense[j]) return {};
+    }
+    start += sizes[i];
+  }
+  return make_strided(first.storage(), from, dense, first.offset(), dtype);
 }
 
 }  // namespace
@@ -52,6 +80,8 @@ std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& size
   record_multi("split", {a}, pieces,
                [from = a.shape(), dtype = a.dtype(), device = a.device(), sizes,
                 d](std::vector<Tensor> grads) {
+                 if (Tensor tiled = tiled_gradient(grads, from, dtype, sizes, d); tiled.defined())
+                   return std::vector<Tensor>{tiled};
                  Tensor full = empty(from, {.dtype = dtype, .device = device});  // overwritten
                  std::int64_t start = 0;
                  for (std::size_t i = 0; i < sizes.size(); ++i) {

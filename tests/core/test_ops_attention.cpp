@@ -200,13 +200,78 @@ TEST_CASE("meta mirroring CUDA: the fused attention lays out out, dq, dk and dv 
     Tensor y = out.transpose(1, 2).reshape({B, T, C});
     CHECK(y.same_storage(out));  // a view, no copy
     const std::vector<Tensor> grads = grad({sum(y)}, {Tensor()}, bthd);
-    for (const Tensor& g : grads) {
-      REQUIRE(g.defined());
-      CHECK(g.shape() == Shape{B, T, H, D});
-      CHECK(g.is_contiguous());  // dq, dk, dv were written (B, T, H, D)-dense
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      REQUIRE(grads[i].defined());
+      CHECK(grads[i].shape() == Shape{B, T, H, D});
+      // dq, dk, dv were written as q, k and v lie: the three (B, T, H, D) slices of one
+      // (B, T, 3C) buffer (Note [Pieces that tile their input]).
+      CHECK(grads[i].strides() == bthd[i].strides());
+      CHECK(grads[i].same_storage(grads[0]));
     }
+    // Heads that are (B, T, H, D)-dense each, not pieces of one buffer, get dense gradients.
+    std::vector<Tensor> own;
+    for (int i = 0; i < 3; ++i) {
+      own.push_back(empty({B, T, H, D}, {.dtype = dt, .device = kMeta}).requires_grad_(true));
+    }
+    Tensor y2 = scaled_dot_product_attention(own[0].transpose(1, 2), own[1].transpose(1, 2),
+                                             own[2].transpose(1, 2), {.causal = true});
+    for (const Tensor& g : grad({sum(y2)}, {Tensor()}, own)) CHECK(g.is_contiguous());
     // Dense heads stay dense.
     Tensor q = empty({B, H, T, D}, {.dtype = dt, .device = kMeta});
     CHECK(scaled_dot_product_attention(q, q, q).is_contiguous());
   }
+}
+
+TEST_CASE("meta mirroring CUDA: GPT-style heads get their gradient in one buffer, without a copy") {
+  // Note [Pieces that tile their input]: q, k and v split from one (B, T, 3C) projection get dq,
+  // dk and dv as the three slices of one (B, T, 3C) buffer, which split's backward hands on
+  // whole. The backward then holds that one buffer (plus a few rows' statistics), where copying
+  // would hold it twice over.
+  MetaBackendGuard mirror(Backend::cuda);
+  const std::int64_t B = 4, T = 64, H = 4, D = 32, C = H * D;
+  const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
+  Tensor qkv = empty({B, T, 3 * C}, o).requires_grad_(true);
+  const std::vector<Tensor> parts = split(qkv, C, 2);
+  auto head = [&](int i) { return parts[i].reshape({B, T, H, D}).transpose(1, 2); };
+  Tensor y = scaled_dot_product_attention(head(0), head(1), head(2), {.causal = true})
+                 .transpose(1, 2)
+                 .reshape({B, T, C});
+  Tensor g = empty({B, T, C}, o);
+  reset_peak_memory_stats(kMeta);
+  const std::int64_t before = memory_stats(kMeta).allocated.current;
+  const Tensor dqkv = grad({y}, {g}, {qkv})[0];
+  const std::int64_t extra = memory_stats(kMeta).allocated.peak - before;
+  const std::int64_t buffer = B * T * 3 * C * 2;
+  INFO("peak above the start of the backward " << extra << ", one (B, T, 3C) buffer " << buffer);
+  CHECK(dqkv.shape() == qkv.shape());
+  CHECK(dqkv.is_contiguous());
+  CHECK(extra >= buffer);
+  CHECK(extra < buffer + buffer / 2);
+  // Pieces that are not siblings (three separate tensors) keep one gradient each.
+  Tensor q = empty({B, H, T, D}, o).requires_grad_(true), k = empty({B, H, T, D}, o).requires_grad_(true);
+  const std::vector<Tensor> gs = grad({scaled_dot_product_attention(q, k, k)}, {empty({B, H, T, D}, o)}, {q, k});
+  CHECK(gs[0].shape() == q.shape());
+  CHECK(gs[1].shape() == k.shape());
+}
+
+TEST_CASE("split's backward takes gradients that tile the input whole, and copies otherwise") {
+  // Note [Pieces that tile their input], on the CPU: pieces of one dense buffer come back as that
+  // buffer; the same values in separate tensors are copied into a new one; both are right.
+  Tensor a = input({4, 6}).detach().requires_grad_(true);
+  const Tensor tile = input({4, 6}, -1, 1, 7).detach();
+  const std::vector<Tensor> parts = split(a, 2, 1);
+  const std::vector<Tensor> tile_parts = split(tile, 2, 1);  // views into tile
+  const std::vector<Tensor> gs = grad(parts, tile_parts, {a});
+  CHECK(gs[0].same_storage(tile));  // handed on whole
+  check_close(gs[0], tile.to_vector(), 0, 0, "tiled gradient");
+  std::vector<Tensor> copies;
+  for (const Tensor& t : tile_parts) copies.push_back(t.contiguous());
+  const std::vector<Tensor> gc = grad(split(a, 2, 1), copies, {a});
+  CHECK_FALSE(gc[0].same_storage(tile));
+  check_close(gc[0], tile.to_vector(), 0, 0, "copied gradient");
+  // Out of order or with a gap: copied.
+  const std::vector<Tensor> swapped = {tile_parts[1], tile_parts[0], tile_parts[2]};
+  const std::vector<Tensor> gw = grad(split(a, 2, 1), swapped, {a});
+  CHECK_FALSE(gw[0].same_storage(tile));
+  CHECK(gw[0].slice(1, 0, 2).to_vector() == tile_parts[1].to_vector());
 }
