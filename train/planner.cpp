@@ -184,11 +184,26 @@ MemoryBreakdown MemoryPlanner::predict(std::int64_t n, bool checkpointing) {
 // exceeds by at most a quarter), so it takes blocks of its own. The steady state of training is
 // therefore measured as a window's first micro-batch, its last, and the next window's first: on
 // the MLP, CNN and GPT the reserved peak settles by the second micro-batch and never moves again.
+// An epoch whose training set is not a whole number of windows ends on a shorter window, whose
+// last micro-batch is measured too, followed by the next epoch's first (PlannerConfig::
+// epoch_remainder): without it the run's peak, at the first epoch's end, was above the prediction
+// (by 3.5% for the Fashion-MNIST MLP, 13% for the tinyshakespeare GPT).
 std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
   const std::int64_t effective = config_.effective_batch;
   const std::int64_t last = effective - (ceil_div(effective, n) - 1) * n;
-  if (last == n) return {n, n};
-  return {n, last, n};
+  std::vector<std::int64_t> sizes = last == n ? std::vector<std::int64_t>{n, n}
+                                              : std::vector<std::int64_t>{n, last, n};
+  // An epoch's last window, when shorter, ends on a micro-batch of its own size, which takes
+  // blocks of its own too; the next epoch's first follows it.
+  const std::int64_t remainder = config_.epoch_remainder % effective;
+  if (remainder > 0) {
+    const std::int64_t tail = remainder % n == 0 ? n : remainder % n;
+    if (tail != n && tail != last) {
+      sizes.push_back(tail);
+      sizes.push_back(n);
+    }
+  }
+  return sizes;
 }
 
 MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing) {

@@ -76,6 +76,9 @@ struct PlannerConfig {
   std::int64_t budget = 0;  // bytes
   double margin = 0.05;
   std::int64_t effective_batch = 0;  // train_batch_size
+  /// Samples in an epoch's last window when the training set is not a whole number of effective
+  /// batches (0: none); its smaller micro-batches are measured too (Note [Uneven windows]).
+  std::int64_t epoch_remainder = 0;
   bool allow_checkpointing = true;
   std::optional<bool> force_checkpointing;  // user's gradient_checkpointing if set
   std::optional<std::int64_t>

@@ -119,6 +119,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   PlannerConfig config;
   config.budget = args.memory_budget;
   config.effective_batch = triad.effective;
+  config.epoch_remainder = train_set.size() % triad.effective;  // the loader keeps a short last batch
   if (args.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
   if (args.fp16) config.store.compute_dtype = DType::f16;
