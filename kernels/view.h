@@ -30,6 +30,12 @@ struct StridedView {
     }
     return true;
   }
+  /// A 2-d view of unit-stride rows that do not overlap: dense, or rows of a wider matrix (the
+  /// padded rows of Note [Padded rows] in core/ops/linalg.cpp), which row kernels take in place.
+  bool is_rows() const {
+    return ndim == 2 && (shape[1] <= 1 || strides[1] == 1) &&
+           (shape[0] <= 1 || strides[0] >= shape[1]);
+  }
   template <class T> T* ptr() const { return static_cast<T*>(data); }
 };
 

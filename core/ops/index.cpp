@@ -55,29 +55,36 @@ Tensor gather_kernel(const char* op, const Tensor& a, const Shape& shape,
   return out;
 }
 
-// The backward of a gather: zeros of the input's shape with g scatter-added along dim. On CUDA an
-// embedding-like scatter sorts its indices first (Note [Sorted scatter_add] in kernels/index.h),
-// in a workspace allocated here so that meta mirrors it.
-Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype, Tensor g,
-                          const kernels::StridedView& index, int dim) {
-  if (g.dtype() != dtype) g = g.to(dtype);
-  Tensor dx = zeros(input_shape, {.dtype = dtype, .device = g.device()});
+// dst += weight * g scattered along dim, in place. On CUDA an embedding-like scatter sorts its
+// indices first (Note [Sorted scatter_add] in kernels/index.h), in a workspace allocated here so
+// that meta mirrors it.
+void scatter_add_into(const char* op, const Tensor& dst, const Tensor& g,
+                      const kernels::StridedView& index, int dim, double weight = 1.0) {
   const std::int64_t sort_bytes =
       backend_of(g.device()) == Backend::cuda
-          ? kernels::sorted_scatter_workspace_bytes(dx.kview(), g.kview(), index, dim)
+          ? kernels::sorted_scatter_workspace_bytes(dst.kview(), g.kview(), index, dim)
           : 0;
   if (sort_bytes > 0) {
     Tensor workspace = empty({sort_bytes}, {.dtype = DType::u8, .device = g.device()});
     launch(
         op, g.device(), [&] { MB_ASSERT(false, "[{}] the sorted scatter runs on CUDA only", op); },
         [&] {
-          kernels::cuda::scatter_add_sorted(dx.kview(), g.kview(), index, dim, workspace.kview());
+          kernels::cuda::scatter_add_sorted(dst.kview(), g.kview(), index, dim, workspace.kview(),
+                                            weight);
         });
-    return dx;
+    return;
   }
   launch(
-      op, g.device(), [&] { kernels::cpu::scatter_add(dx.kview(), g.kview(), index, dim); },
-      [&] { kernels::cuda::scatter_add(dx.kview(), g.kview(), index, dim); });
+      op, g.device(), [&] { kernels::cpu::scatter_add(dst.kview(), g.kview(), index, dim, weight); },
+      [&] { kernels::cuda::scatter_add(dst.kview(), g.kview(), index, dim, weight); });
+}
+
+// The backward of a gather: zeros of the input's shape with g scatter-added along dim.
+Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype, Tensor g,
+                          const kernels::StridedView& index, int dim) {
+  if (g.dtype() != dtype) g = g.to(dtype);
+  Tensor dx = zeros(input_shape, {.dtype = dtype, .device = g.device()});
+  scatter_add_into(op, dx, g, index, dim);
   return dx;
 }
 
@@ -89,28 +96,6 @@ Tensor scatter_add_kernel(const char* op, const Shape& input_shape, DType dtype,
 // after every addition, turned into an f32 sum rounded once per addition; and GPT-2's (50257, 768)
 // temporary (zero-filled, then read by the accumulation) is not made. Where the weight does not
 // accumulate in place (grad() capturing it, no buffer yet) it returns the dense gradient as before.
-void scatter_add_into(const Tensor& grad, const Tensor& g, const kernels::StridedView& index,
-                      double weight) {
-  const std::int64_t sort_bytes =
-      backend_of(g.device()) == Backend::cuda
-          ? kernels::sorted_scatter_workspace_bytes(grad.kview(), g.kview(), index, 0)
-          : 0;
-  if (sort_bytes > 0) {
-    Tensor workspace = empty({sort_bytes}, {.dtype = DType::u8, .device = g.device()});
-    launch(
-        "embedding", g.device(),
-        [&] { MB_ASSERT(false, "[embedding] the sorted scatter runs on CUDA only"); },
-        [&] {
-          kernels::cuda::scatter_add_sorted(grad.kview(), g.kview(), index, 0, workspace.kview(),
-                                            weight);
-        });
-    return;
-  }
-  launch(
-      "embedding", g.device(),
-      [&] { kernels::cpu::scatter_add(grad.kview(), g.kview(), index, 0, weight); },
-      [&] { kernels::cuda::scatter_add(grad.kview(), g.kview(), index, 0, weight); });
-}
 
 }  // namespace
 
@@ -149,7 +134,7 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
              Tensor grad = w.grad();
              if (grad.is_contiguous() && grad.shape() == weight_shape &&
                  (grad.dtype() == dtype || grad.dtype() == DType::f32 || grad.dtype() == DType::f64)) {
-               scatter_add_into(grad, g.reshape(rows), index, grad_weight());
+               scatter_add_into("embedding", grad, g.reshape(rows), index, 0, grad_weight());
                grad.bump_version();
                return std::vector<Tensor>{Tensor()};
              }

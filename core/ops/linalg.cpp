@@ -42,6 +42,12 @@ std::int64_t padded_row(std::int64_t m, std::int64_t n, DType dt, Backend backen
   return (n + 7) / 8 * 8;
 }
 
+// An empty (m, n) tensor in rows of ld >= n elements (a slice of (m, ld) when ld > n).
+Tensor empty_rows(std::int64_t m, std::int64_t n, std::int64_t ld, const TensorOptions& options) {
+  Tensor t = empty({m, ld}, options);
+  return ld == n ? t : t.slice(1, 0, n);
+}
+
 // The dtype a GEMM on `backend` reads operands of dtype dt in (Note [16-bit GEMMs by backend]).
 DType gemm_math(DType dt, Backend backend) {
   if (backend == Backend::cuda || dt == DType::f64) return dt;
@@ -223,9 +229,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   Shape out_shape(x.shape().begin(), x.shape().end() - 1);
   out_shape.push_back(n);
   const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
-  const std::int64_t ld = padded_row(m, n, dt, backend);
-  Tensor out = empty({m, ld}, {.dtype = dt, .device = x.device()});
-  if (ld != n) out = out.slice(1, 0, n);  // (M, N) rows of ld elements (Note [Padded rows])
+  // (M, N), rows padded where Note [Padded rows] says.
+  Tensor out = empty_rows(m, n, padded_row(m, n, dt, backend), {.dtype = dt, .device = x.device()});
   {
     // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once
     // (Note [16-bit GEMMs by backend]). Copies are made outside launch() so that meta sees them.
@@ -304,12 +309,9 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   out_shape.push_back(n);
   // GELU's input and output, rows padded to 16 bytes (Lt wants aux rows a multiple of 8 apart).
   const std::int64_t ld_hidden = (hidden + 7) / 8 * 8;
-  auto rows = [&](std::int64_t cols, std::int64_t ld) {
-    Tensor t = empty({m, ld}, {.dtype = dt, .device = x.device()});
-    return ld == cols ? t : t.slice(1, 0, cols);
-  };
-  Tensor pre = rows(hidden, ld_hidden), h = rows(hidden, ld_hidden);
-  Tensor out = rows(n, padded_row(m, n, dt, backend));
+  const TensorOptions options{.dtype = dt, .device = x.device()};
+  Tensor pre = empty_rows(m, hidden, ld_hidden, options), h = empty_rows(m, hidden, ld_hidden, options);
+  Tensor out = empty_rows(m, n, padded_row(m, n, dt, backend), options);
   {
     NoGradGuard no_grad;
     Tensor x2 = gemm_ready(x.reshape({1, m, k}), backend);          // (1, M, K)
@@ -346,8 +348,8 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            const bool keep = retaining_graph();
            auto [dw2, db2] = linear_param_grads(g2, acts->h, w2v, rw2, rb2);
            if (!keep) acts->h = Tensor();
-           Tensor dpre = empty({m, ld_hidden}, {.dtype = g2.dtype(), .device = g2.device()});
-           if (ld_hidden != hidden) dpre = dpre.slice(1, 0, hidden);
+           Tensor dpre =
+               empty_rows(m, hidden, ld_hidden, {.dtype = g2.dtype(), .device = g2.device()});
            {
              NoGradGuard no_grad;
              Tensor g3 = gemm_ready(g2.unsqueeze(0), Backend::cuda);           // (1, M, N)

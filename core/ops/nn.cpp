@@ -98,12 +98,10 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
   // CUDA reads rows where they lie, padded ones included (Note [Padded rows] in
   // core/ops/linalg.cpp); the CPU reads dense rows.
   const bool cuda = backend_of(logits.device()) == Backend::cuda;
-  const auto& st = logits.strides();
-  const bool rows_view = (c == 1 || st[1] == 1) && (n <= 1 || st[0] >= c);
   Tensor x;
   {
     NoGradGuard no_grad;
-    x = cuda && rows_view ? logits : logits.contiguous();
+    x = cuda && logits.kview().is_rows() ? logits : logits.contiguous();
   }
   Tensor rows = empty({n}, {.dtype = math, .device = logits.device()});  // (N) per-row loss
   Tensor stats =

@@ -46,7 +46,7 @@ ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, b
 // summed over its rows; 0 otherwise.
 std::int64_t leading_columns(const Tensor& a, const ReducePlan& p) {
   if (a.dim() == 2 && p.reduced[0] && !p.reduced[1] && a.shape()[0] > 1 && a.shape()[1] > 1 &&
-      a.strides()[1] == 1 && a.strides()[0] >= a.shape()[1]) {
+      a.kview().is_rows()) {
     return a.shape()[1];
   }
   if (!a.is_contiguous()) return 0;

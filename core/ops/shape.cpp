@@ -37,8 +37,7 @@ void check_same_kind(const char* op, const std::vector<Tensor>& tensors) {
 Tensor tiled_gradient(const std::vector<Tensor>& grads, const Shape& from, DType dtype,
                       const std::vector<std::int64_t>& sizes, int d) {
   if (grads.empty() || !grads[0].defined()) return {};
-  Shape dense(from.size(), 1);
-  for (int i = static_cast<int>(from.size()) - 2; i >= 0; --i) dense[i] = dense[i + 1] * from[i + 1];
+  const Shape dense = contiguous_strides(from);
   const Tensor& first = grads[0];
   std::int64_t start = 0;
   for (std::size_t i = 0; i < grads.size(); ++i) {

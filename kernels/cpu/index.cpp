@@ -93,18 +93,23 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
   const Strides dst_other = without_dim(dst, dim);
   const std::int64_t dst_dim_stride = dst.ndim == 0 ? 0 : dst.strides[dim];
   const std::int64_t* const strides[3] = {src.strides, dst_other.s, index.strides};
+  // Walks src in row-major order, target = add(target, source) at each index.
+  auto scatter = [&]<class D, class S>(auto add) {
+    D* d = dst.ptr<D>();
+    const S* s = src.ptr<S>();
+    dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
+      const I* idx = index.ptr<I>();
+      walk<3>(src, strides, [&](const std::int64_t* off) {
+        D& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
+        target = add(target, s[off[0]]);
+      });
+    });
+  };
   if (dst.dtype == src.dtype && weight == 1.0) {
     dispatch_all(dst.dtype, [&]<class T>() {
       using C = compute_t<T>;
-      T* d = dst.ptr<T>();
-      const T* s = src.ptr<T>();
-      dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
-        const I* idx = index.ptr<I>();
-        walk<3>(src, strides, [&](const std::int64_t* off) {
-          T& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
-          target = static_cast<T>(static_cast<C>(target) + static_cast<C>(s[off[0]]));
-        });
-      });
+      scatter.template operator()<T, T>(
+          [](T t, T x) { return static_cast<T>(static_cast<C>(t) + static_cast<C>(x)); });
     });
     return;
   }
@@ -113,15 +118,9 @@ void scatter_add(const StridedView& dst, const StridedView& src, const StridedVi
     dispatch_float(src.dtype, "scatter_add", [&]<class S>() {
       using C = compute_t<D>;
       const C w = static_cast<C>(weight);
-      D* d = dst.ptr<D>();
-      const S* s = src.ptr<S>();
-      dispatch_index(index.dtype, "scatter_add", [&]<class I>() {
-        const I* idx = index.ptr<I>();
-        walk<3>(src, strides, [&](const std::int64_t* off) {
-          D& target = d[off[1] + static_cast<std::int64_t>(idx[off[2]]) * dst_dim_stride];
-          const C product = w * static_cast<C>(static_cast<compute_t<S>>(s[off[0]]));
-          target = static_cast<D>(static_cast<C>(target) + product);
-        });
+      scatter.template operator()<D, S>([w](D t, S x) {
+        const C product = w * static_cast<C>(static_cast<compute_t<S>>(x));
+        return static_cast<D>(static_cast<C>(t) + product);
       });
     });
   });

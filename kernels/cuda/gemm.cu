@@ -381,6 +381,12 @@ void check_one_product(const char* op, const StridedView& a, const StridedView& 
            describe(c));
 }
 
+// GELU's input as cuBLASLt's aux matrix wants its leading dimension: pre's row stride (a single
+// row's stride is free, so any multiple of 8 at least N serves).
+std::int64_t aux_ld(const StridedView& pre) {
+  return pre.shape[1] == 1 ? (pre.shape[2] + 7) / 8 * 8 : pre.strides[1];
+}
+
 // A (1, M, N) row-major view's rows as a 2-d view, for the element-wise kernels.
 StridedView rows_of(const StridedView& v) {
   StridedView r = v;
@@ -429,7 +435,7 @@ void gemm_bias_gelu(const StridedView& a, const StridedView& b, const StridedVie
                 {.kind = CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
                  .bias = bias.data,
                  .aux = pre.data,
-                 .aux_ld = m == 1 ? ((n + 7) / 8) * 8 : pre.strides[1]})) {
+                 .aux_ld = aux_ld(pre)})) {
     return;
   }
   gemm_bias(a, b, bias, pre);
@@ -448,7 +454,7 @@ void gemm_dgelu(const StridedView& a, const StridedView& b, const StridedView& p
   if (lt_matmul(a, b, out,
                 {.kind = CUBLASLT_EPILOGUE_DGELU,
                  .aux = pre.data,
-                 .aux_ld = m == 1 ? ((n + 7) / 8) * 8 : pre.strides[1]})) {
+                 .aux_ld = aux_ld(pre)})) {
     return;
   }
   gemm(a, b, out, 1.0, 0.0);

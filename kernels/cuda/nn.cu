@@ -299,12 +299,6 @@ __global__ void softmax_backward_kernel(SoftmaxKind kind, T* dx, const T* y, con
 
 // ---- cross-entropy -----------------------------------------------------------------------------
 
-// A 2-d view whose rows are unit-stride and do not overlap (Note [Padded rows] in
-// core/ops/linalg.cpp): the cross-entropy kernels take such rows where they lie.
-bool rows_view(const StridedView& v) {
-  return v.ndim == 2 && (v.shape[1] <= 1 || v.strides[1] == 1) &&
-         (v.shape[0] <= 1 || v.strides[0] >= v.shape[1]);
-}
 
 // A row's target, or -1 when the row contributes nothing (ignored, or out of [0, cols): the op's
 // check_index_range reports the latter without a host synchronisation).
@@ -597,7 +591,7 @@ void softmax_backward(SoftmaxKind kind, const StridedView& dx, const StridedView
 void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
                            const StridedView& logits, const StridedView& target,
                            CrossEntropyArgs args) {
-  MB_ASSERT(logits.ndim == 2 && rows_view(logits) && stats.is_contiguous(),
+  MB_ASSERT(logits.is_rows() && stats.is_contiguous(),
             "cross_entropy logits must be (N, C) rows with unit column stride, stats (N, 2)");
   const std::int64_t rows = logits.shape[0], cols = logits.shape[1];
   if (rows == 0) return;
@@ -619,7 +613,7 @@ void cross_entropy_forward(const StridedView& loss, const StridedView& stats,
 void cross_entropy_backward(const StridedView& dlogits, const StridedView& logits,
                             const StridedView& stats, const StridedView& target,
                             const StridedView& g, CrossEntropyArgs args) {
-  MB_ASSERT(logits.ndim == 2 && dlogits.ndim == 2 && rows_view(logits) && rows_view(dlogits) &&
+  MB_ASSERT(logits.is_rows() && dlogits.is_rows() &&
                 dlogits.shape[0] == logits.shape[0] && dlogits.shape[1] == logits.shape[1],
             "cross_entropy logits and dlogits must be (N, C) rows with unit column stride");
   const std::int64_t rows = logits.shape[0], cols = logits.shape[1];

@@ -258,8 +258,7 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
 void sum_columns(const StridedView& out, const StridedView& in, std::int64_t cols,
                  const StridedView& partials) {
   // Contiguous, or (rows, cols) rows of a wider matrix (Note [Padded rows] in core/ops/linalg.cpp).
-  const bool padded = in.ndim == 2 && in.shape[1] == cols && in.strides[1] == 1 &&
-                      in.strides[0] >= cols;
+  const bool padded = in.is_rows() && in.shape[1] == cols;
   MB_ASSERT((in.is_contiguous() || padded) && out.is_contiguous() && cols > 0 &&
                 in.numel() % cols == 0 && out.numel() == cols,
             "sum_columns: input of {} elements and output of {} do not make {} columns", in.numel(),
