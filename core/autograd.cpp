@@ -149,6 +149,19 @@ bool accumulates_in_place(const Tensor& t) {
   return t_captured == nullptr || t_captured->count(t.impl()) == 0;
 }
 
+Tensor grad_leaf(const Tensor& t) {
+  return t.defined() && t.requires_grad() && t.is_leaf() ? t : Tensor();
+}
+
+Tensor in_place_grad(const Tensor& t) {
+  if (!accumulates_in_place(t)) return Tensor();
+  Tensor grad = t.grad();
+  const DType dt = grad.dtype();
+  const bool fits = grad.is_contiguous() && grad.shape() == t.shape() &&
+                    (dt == t.dtype() || dt == DType::f32 || dt == DType::f64);
+  return fits ? grad : Tensor();
+}
+
 void check_inplace(const Tensor& t, const char* op) {
   MB_CHECK(!(grad_mode_enabled() && t.requires_grad()),
            "[{}] in-place change of a tensor that requires grad; do it under NoGradGuard or on a "

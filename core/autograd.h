@@ -146,6 +146,16 @@ bool retaining_graph();
 /// The weight-gradient GEMM of linear uses this to write into the gradient arena directly.
 bool accumulates_in_place(const Tensor& t);
 
+/// t itself where it is a leaf that requires grad, else undefined: the handle a backward formula
+/// keeps of a parameter it does not otherwise save, to reach its gradient slot through
+/// in_place_grad (holding a leaf makes no cycle and keeps no activation alive).
+Tensor grad_leaf(const Tensor& t);
+
+/// t.grad() where a backward formula adds into it in place (accumulates_in_place) and its kernels
+/// can: a contiguous buffer of t's shape in t's dtype, f32 or f64 (a slot of the gradient arena);
+/// undefined otherwise, and the formula returns its gradient instead.
+Tensor in_place_grad(const Tensor& t);
+
 /// Makes node the grad_fn of each floating output (output i is the node's output i).
 void set_history(std::vector<Tensor>& outputs, const std::shared_ptr<Node>& node);
 

@@ -57,13 +57,16 @@ void layer_norm_forward(const StridedView& y, const StridedView& mean, const Str
                         double eps);
 
 /// With xhat = (x - mean) * rstd and wdy = dy * weight (dy without weight), per row:
-/// dx = rstd * (wdy - mean(wdy) - xhat * mean(wdy * xhat)); over rows:
-/// dweight = sum(dy * xhat), dbias = sum(dy). dx in x's dtype; dweight, dbias (cols) in the math
-/// dtype; each of the three is skipped when its data == nullptr.
+/// dx = rstd * (wdy - mean(wdy) - xhat * mean(wdy * xhat)), written; over rows, added:
+/// dweight += grad_weight * sum(dy * xhat), dbias += grad_weight * sum(dy), each sum rounded to
+/// the math dtype, then the product, then the sum (as accumulate): the parameters' gradient slots
+/// take them in place (Note [Bias gradients in place] in core/ops/linalg.cpp), a zeroed buffer
+/// with grad_weight 1 takes the plain sums. dx in x's dtype; dweight, dbias (cols, contiguous) in
+/// the math dtype; each of the three is skipped when its data == nullptr.
 void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
                          const StridedView& dbias, const StridedView& dy, const StridedView& x,
                          const StridedView& mean, const StridedView& rstd,
-                         const StridedView& weight);
+                         const StridedView& weight, double grad_weight);
 
 }  // namespace cpu
 
@@ -106,7 +109,8 @@ void layer_norm_forward(const StridedView& y, const StridedView& mean, const Str
 void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
                          const StridedView& dbias, const StridedView& dy, const StridedView& x,
                          const StridedView& mean, const StridedView& rstd,
-                         const StridedView& weight, const StridedView& workspace);
+                         const StridedView& weight, const StridedView& workspace,
+                         double grad_weight);
 
 }  // namespace cuda
 

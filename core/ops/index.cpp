@@ -129,15 +129,10 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
           weight_shape = weight.shape(), rows, dtype = weight.dtype()](const Tensor& g) {
            Tensor idx = si.get();
            const kernels::StridedView index = broadcast_index(idx, rows, 0);
-           Tensor w = sw.get();
-           if (accumulates_in_place(w)) {
-             Tensor grad = w.grad();
-             if (grad.is_contiguous() && grad.shape() == weight_shape &&
-                 (grad.dtype() == dtype || grad.dtype() == DType::f32 || grad.dtype() == DType::f64)) {
-               scatter_add_into("embedding", grad, g.reshape(rows), index, 0, grad_weight());
-               grad.bump_version();
-               return std::vector<Tensor>{Tensor()};
-             }
+           if (Tensor grad = in_place_grad(sw.get()); grad.defined()) {
+             scatter_add_into("embedding", grad, g.reshape(rows), index, 0, grad_weight());
+             grad.bump_version();
+             return std::vector<Tensor>{Tensor()};
            }
            return std::vector<Tensor>{
                scatter_add_kernel("embedding", weight_shape, dtype, g.reshape(rows), index, 0)};

@@ -9,6 +9,7 @@
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
 #include "kernels/gemm.h"
+#include "kernels/reduce.h"
 
 namespace microbatch {
 
@@ -168,11 +169,38 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 namespace {
+// Note [Bias gradients in place]: a bias's gradient is the column sum of the output gradient,
+// (M, N) summed to (N). Where the bias accumulates in place (in_place_grad), the sum goes
+// straight into its gradient slot as grad += w * sum (kernels::*::add_column_sums), as the weight's
+// does through its GEMM (Note [Weight-gradient GEMM]), instead of a (N) temporary in the bias's
+// dtype that AccumulateGrad then adds in a launch of its own. The CPU sums the columns without the
+// transposed copy of the (M, N) gradient that a sum over dim 0 makes there; CUDA sums them in two
+// fixed-order passes (Note [Column sums] in kernels/reduce.h). For a 16-bit model the f32 slot
+// takes the f32 sum, where the temporary was rounded to 16 bits first; in f32 and f64 the bits are
+// those of the temporary's route. Layer norm's parameters take theirs the same way
+// (layer_norm_backward in kernels/nn.h).
+void add_column_sums_into(const Tensor& slot, const Tensor& g2, double weight) {
+  Tensor partials;
+  if (backend_of(g2.device()) == Backend::cuda) {
+    const std::int64_t chunks = kernels::column_split(g2.shape()[0], g2.shape()[1]).chunks;
+    partials = empty({chunks, g2.shape()[1]}, {.dtype = DType::f64, .device = g2.device()});
+  }
+  Tensor rows = g2.kview().is_rows() ? g2 : g2.contiguous();
+  launch(
+      "linear", g2.device(),
+      [&] { kernels::cpu::add_column_sums(slot.kview(), rows.kview(), weight); },
+      [&] {
+        kernels::cuda::add_column_sums(slot.kview(), rows.kview(), weight, partials.kview());
+      });
+  slot.bump_version();
+}
+
 // linear's weight and bias gradients for the output gradient g2 (M, N) and the input x2 (M, K):
-// dweight is added straight into the weight's gradient buffer where it accumulates in place
-// (Note [Weight-gradient GEMM]) and then returned undefined; dbias is the column sum of g2.
+// each is added straight into its parameter's gradient buffer where that accumulates in place
+// (Notes [Weight-gradient GEMM] and [Bias gradients in place]) and then returned undefined; else
+// dweight = g2^T x2 and dbias = the column sum of g2. `b` is the bias's grad_leaf.
 std::pair<Tensor, Tensor> linear_param_grads(const Tensor& g2, const Tensor& x2, const Tensor& w,
-                                             bool rw, bool rb) {
+                                             const Tensor& b, bool rw, bool rb) {
   Tensor dw, db;
   if (rw) {
     Tensor grad = w.grad();
@@ -195,7 +223,13 @@ std::pair<Tensor, Tensor> linear_param_grads(const Tensor& g2, const Tensor& x2,
       dw = matmul(g2.t(), x2);
     }
   }
-  if (rb) db = sum(g2, {0});
+  if (rb) {
+    if (Tensor slot = in_place_grad(b); slot.defined()) {
+      add_column_sums_into(slot, g2, grad_weight());
+    } else {
+      db = sum(g2, {0});
+    }
+  }
   return {dw, db};
 }
 }  // namespace
@@ -261,13 +295,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   }
   record("linear", {x, weight, bias}, out,
          [sx = SavedTensor(x, "linear"), sw = SavedTensor(weight, "linear"), x_shape = x.shape(),
-          rx = x.requires_grad(), rw = weight.requires_grad(),
+          b = grad_leaf(bias), rx = x.requires_grad(), rw = weight.requires_grad(),
           rb = bias.defined() && bias.requires_grad(), m, n, k](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
            Tensor w = sw.get();
            Tensor dx;
            if (rx) dx = matmul(g2, w).reshape(x_shape);
-           auto [dw, db] = linear_param_grads(g2, rw ? sx.get().reshape({m, k}) : Tensor(), w, rw, rb);
+           auto [dw, db] =
+               linear_param_grads(g2, rw ? sx.get().reshape({m, k}) : Tensor(), w, b, rw, rb);
            return std::vector<Tensor>{dx, dw, db};
          });
   return out.reshape(out_shape);
@@ -338,7 +373,8 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   record("gelu_mlp", {x, w1, b1, w2, b2}, out,
          [sx = SavedTensor(x, "gelu_mlp"), sw1 = SavedTensor(w1, "gelu_mlp"),
           sw2 = SavedTensor(w2, "gelu_mlp"), acts, x_shape = x.shape(), m, k, hidden, n,
-          ld_hidden, dt, rx = x.requires_grad(), rw1 = w1.requires_grad(),
+          ld_hidden, dt, b1l = grad_leaf(b1), b2l = grad_leaf(b2), rx = x.requires_grad(),
+          rw1 = w1.requires_grad(),
           rb1 = b1.requires_grad(), rw2 = w2.requires_grad(),
           rb2 = b2.requires_grad()](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
@@ -346,7 +382,7 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            Tensor w1v = sw1.get(), w2v = sw2.get();
            // The second linear's parameters, then GELU's input's gradient through w2.
            const bool keep = retaining_graph();
-           auto [dw2, db2] = linear_param_grads(g2, acts->h, w2v, rw2, rb2);
+           auto [dw2, db2] = linear_param_grads(g2, acts->h, w2v, b2l, rw2, rb2);
            if (!keep) acts->h = Tensor();
            Tensor dpre =
                empty_rows(m, hidden, ld_hidden, {.dtype = g2.dtype(), .device = g2.device()});
@@ -367,7 +403,7 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            // The first linear's.
            Tensor x2 = (rw1 ? sx.get() : Tensor());
            auto [dw1, db1] =
-               linear_param_grads(dpre, rw1 ? x2.reshape({m, k}) : Tensor(), w1v, rw1, rb1);
+               linear_param_grads(dpre, rw1 ? x2.reshape({m, k}) : Tensor(), w1v, b1l, rw1, rb1);
            Tensor dx;
            if (rx) dx = matmul(dpre, w1v).reshape(x_shape);
            return std::vector<Tensor>{dx, dw1, db1, dw2, db2};

@@ -268,18 +268,32 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
                                           view_or_none(wc), view_or_none(bc), eps);
       });
   // Saves x, the weight and the two per-row statistics (2 * rows values).
+  // The weight and bias are kept as grad_leaf handles, to reach their gradient slots (Note [Bias
+  // gradients in place] in core/ops/linalg.cpp).
   record("layer_norm", {x, weight, bias}, y,
          [sx = SavedTensor(xc, "layer_norm"), sw = SavedTensor(wc, "layer_norm"), mean, rstd,
-          normalized_shape, cols, math, rx = x.requires_grad(),
-          rw = weight.defined() && weight.requires_grad(),
+          normalized_shape, cols, math, weight_leaf = grad_leaf(weight),
+          bias_leaf = grad_leaf(bias), rx = x.requires_grad(), rw = weight.defined() && weight.requires_grad(),
           rb = bias.defined() && bias.requires_grad()](const Tensor& g) {
            Tensor xv = sx.get(), wv = sw.get();
            Tensor dy = g.contiguous();
            if (dy.dtype() != xv.dtype()) dy = dy.to(xv.dtype());
            Tensor dx =
                rx ? empty(xv.shape(), {.dtype = xv.dtype(), .device = xv.device()}) : Tensor();
-           Tensor dweight = rw ? empty({cols}, {.dtype = math, .device = xv.device()}) : Tensor();
-           Tensor dbias = rb ? empty({cols}, {.dtype = math, .device = xv.device()}) : Tensor();
+           // The parameters' gradients go into their slots, in place, where every one wanted has
+           // a slot in the math dtype; else into zeroed (cols) buffers in the math dtype, returned.
+           Tensor weight_slot = rw ? in_place_grad(weight_leaf) : Tensor();
+           Tensor bias_slot = rb ? in_place_grad(bias_leaf) : Tensor();
+           auto takes = [&](bool wanted, const Tensor& slot) {
+             return !wanted || (slot.defined() && slot.dtype() == math);
+           };
+           const bool in_place = (rw || rb) && takes(rw, weight_slot) && takes(rb, bias_slot);
+           auto buffer = [&](bool wanted, const Tensor& slot) {
+             if (!wanted) return Tensor();
+             return in_place ? slot : zeros({cols}, {.dtype = math, .device = xv.device()});
+           };
+           Tensor dweight = buffer(rw, weight_slot), dbias = buffer(rb, bias_slot);
+           const double param_weight = in_place ? grad_weight() : 1.0;
            // CUDA sums dweight and dbias in two fixed-order passes through per-chunk partials
            // (kernels/nn.h, layer_norm_chunks).
            Tensor partials;  // (2, chunks, cols)
@@ -292,16 +306,22 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
                [&] {
                  kernels::cpu::layer_norm_backward(view_or_none(dx), view_or_none(dweight),
                                                    view_or_none(dbias), dy.kview(), xv.kview(),
-                                                   mean.kview(), rstd.kview(), view_or_none(wv));
+                                                   mean.kview(), rstd.kview(), view_or_none(wv),
+                                                   param_weight);
                },
                [&] {
                  kernels::cuda::layer_norm_backward(
                      view_or_none(dx), view_or_none(dweight), view_or_none(dbias), dy.kview(),
                      xv.kview(), mean.kview(), rstd.kview(), view_or_none(wv),
-                     view_or_none(partials));
+                     view_or_none(partials), param_weight);
                });
-           auto finish = [&](const Tensor& t) {
-             return t.defined() ? t.reshape(normalized_shape).to(xv.dtype()) : t;
+           auto finish = [&](Tensor& t) {
+             if (!t.defined()) return t;
+             if (in_place) {
+               t.bump_version();
+               return Tensor();
+             }
+             return t.reshape(normalized_shape).to(xv.dtype());
            };
            return std::vector<Tensor>{dx, finish(dweight), finish(dbias)};
          });

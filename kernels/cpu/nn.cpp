@@ -3,7 +3,8 @@
 // Rows are processed in chunks of kChunk elements with Eigen arrays (vectorized exp and sums) in
 // compute_t<T> (f32 for 16-bit storage, which is widened chunk by chunk; f64 for f64); a chunk's
 // sum runs in that type, and the chunk sums of a row add up in f64.
-// All outputs are overwritten, the backward ones included.
+// All outputs are overwritten, the backward ones included, except layer norm's parameter
+// gradients, which are added into their buffers.
 //
 // GCC 12 reports the AVX-512 intrinsics that Eigen's vectorized double exp inlines here as using
 // an uninitialized value (their deliberately undefined pass-through operand) when -march=native
@@ -18,6 +19,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "core/error.h"
 
@@ -311,7 +313,7 @@ void layer_norm_forward(const StridedView& y, const StridedView& mean, const Str
 void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
                          const StridedView& dbias, const StridedView& dy, const StridedView& x,
                          const StridedView& mean, const StridedView& rstd,
-                         const StridedView& weight) {
+                         const StridedView& weight, double grad_weight) {
   MB_ASSERT(x.is_contiguous() && dy.is_contiguous() && (!dx.data || dx.is_contiguous()),
             "layer_norm backward rows must be contiguous");
   const std::int64_t rows = mean.numel();
@@ -320,10 +322,11 @@ void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
     using C = compute_t<T>;
     C bx[kChunk], bg[kChunk], bw[kChunk];
     const T* w = weight.data ? weight.ptr<T>() : nullptr;
-    C* dw = dweight.data ? dweight.ptr<C>() : nullptr;
-    C* db = dbias.data ? dbias.ptr<C>() : nullptr;
-    if (dw) std::fill(dw, dw + cols, C(0));
-    if (db) std::fill(db, db + cols, C(0));
+    // The sums over rows, added into dweight / dbias at the end.
+    std::vector<C> sum_w(dweight.data ? static_cast<std::size_t>(cols) : 0);
+    std::vector<C> sum_b(dbias.data ? static_cast<std::size_t>(cols) : 0);
+    C* dw = dweight.data ? sum_w.data() : nullptr;
+    C* db = dbias.data ? sum_b.data() : nullptr;
     const double inv_cols = 1.0 / static_cast<double>(cols);
     for (std::int64_t i = 0; i < rows; ++i) {
       const T* xr = x.ptr<T>() + i * cols;
@@ -352,6 +355,14 @@ void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
         store(out + j0, r * (wdy - a - xhat * b));
       });
     }
+    const C gw = static_cast<C>(grad_weight);
+    auto add_into = [&](const StridedView& slot, const C* sums) {
+      if (!sums) return;
+      C* d = slot.ptr<C>();
+      for (std::int64_t j = 0; j < cols; ++j) d[j] = d[j] + gw * sums[j];
+    };
+    add_into(dweight, dw);
+    add_into(dbias, db);
   });
 }
 

@@ -2,6 +2,7 @@
 // a batch was split (Note [Exact accumulation] relies on sums being this accurate).
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/reduce.h"
 
@@ -45,6 +46,30 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
         }
       }
     }
+  });
+}
+
+void add_column_sums(const StridedView& dst, const StridedView& in, double weight) {
+  MB_ASSERT(in.is_rows() && dst.is_contiguous() && dst.numel() == in.shape[1],
+            "add_column_sums: a ({}) destination for {}-d input of {} elements", dst.numel(),
+            in.ndim, in.numel());
+  const std::int64_t rows = in.shape[0], cols = in.shape[1], ld = in.strides[0];
+  dispatch_float(in.dtype, "add_column_sums", [&]<class T>() {
+    dispatch_float(dst.dtype, "add_column_sums", [&]<class D>() {
+      using C = compute_t<D>;
+      std::vector<double> acc(static_cast<std::size_t>(cols), 0.0);
+      for (std::int64_t r = 0; r < rows; ++r) {  // row order, as reduce_rows sums a column
+        const T* x = in.ptr<T>() + r * ld;
+        for (std::int64_t c = 0; c < cols; ++c)
+          acc[static_cast<std::size_t>(c)] += static_cast<double>(static_cast<compute_t<T>>(x[c]));
+      }
+      D* d = dst.ptr<D>();
+      const C w = static_cast<C>(weight);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const C sum = static_cast<C>(acc[static_cast<std::size_t>(c)]);
+        d[c] = static_cast<D>(static_cast<C>(d[c]) + w * sum);
+      }
+    });
   });
 }
 

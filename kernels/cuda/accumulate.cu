@@ -11,7 +11,6 @@
 // With stats, the pass also reduces the updated values (Note [One-launch reduction]), so the last
 // micro-batch of a window can yield its norm and non-finite flag without a second read.
 #include <algorithm>
-#include <type_traits>
 
 #include "kernels/cuda/grad_stats.cuh"
 #include "kernels/elementwise.h"
@@ -20,17 +19,9 @@ namespace microbatch::kernels::cuda {
 
 namespace {
 
-// The product and the sum are rounded separately, as the CPU loop writes them: nvcc would fuse them
-// into one multiply-add, whose single rounding differs from the CPU's in the last bit.
 template <class D, class S>
 __device__ __forceinline__ D accumulate_one(D d, S s, compute_t<D> w) {
-  using C = compute_t<D>;
-  const C x = static_cast<C>(static_cast<compute_t<S>>(s));
-  if constexpr (std::is_same_v<C, double>) {
-    return static_cast<D>(__dadd_rn(static_cast<C>(d), __dmul_rn(w, x)));
-  } else {
-    return static_cast<D>(__fadd_rn(static_cast<C>(d), __fmul_rn(w, x)));
-  }
+  return add_weighted(d, static_cast<compute_t<D>>(static_cast<compute_t<S>>(s)), w);
 }
 
 template <class D>

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "core/half.h"
@@ -37,6 +38,20 @@ __device__ __forceinline__ compute_t<T> load(const void* data, std::int64_t offs
 template <class T>
 __device__ __forceinline__ void store(void* data, std::int64_t offset, compute_t<T> value) {
   static_cast<T*>(data)[offset] = static_cast<T>(value);
+}
+
+/// d + w * x in D's compute type, the product rounded first, then the sum: the gradient
+/// accumulation of Note [Gradient writes] (core/autograd.h) as the CPU's loops compute it. The
+/// explicit roundings keep nvcc from fusing the two into one multiply-add, whose single rounding
+/// would differ from the CPU's in the last bit.
+template <class D>
+__device__ __forceinline__ D add_weighted(D d, compute_t<D> x, compute_t<D> w) {
+  using C = compute_t<D>;
+  if constexpr (std::is_same_v<C, double>) {
+    return static_cast<D>(__dadd_rn(static_cast<C>(d), __dmul_rn(w, x)));
+  } else {
+    return static_cast<D>(__fadd_rn(static_cast<C>(d), __fmul_rn(w, x)));
+  }
 }
 
 /// Grid-stride loop index helpers.

@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 #include <mutex>
-#include <type_traits>
 #include <vector>
 
 #include "kernels/cuda/common.cuh"
@@ -115,18 +114,16 @@ __global__ void gather_kernel(T* out, const T* in, const I* index, Indexer<3> ix
   }
 }
 
-// target + w * x as the CPU's scatter_add computes it: with kWeighted, the product rounded to D's
-// compute type first, then the sum (no fused multiply-add); else target + x.
+// target + w * x as the CPU's scatter_add computes it: with kWeighted, add_weighted; else
+// target + x.
 template <bool kWeighted, class D, class S>
 __device__ __forceinline__ D add_scaled(D target, S x, compute_t<D> w) {
   using C = compute_t<D>;
   const C v = static_cast<C>(static_cast<compute_t<S>>(x));
-  if constexpr (!kWeighted) {
-    return static_cast<D>(static_cast<C>(target) + v);
-  } else if constexpr (std::is_same_v<C, double>) {
-    return static_cast<D>(__dadd_rn(static_cast<C>(target), __dmul_rn(w, v)));
+  if constexpr (kWeighted) {
+    return add_weighted(target, v, w);
   } else {
-    return static_cast<D>(__fadd_rn(static_cast<C>(target), __fmul_rn(w, v)));
+    return static_cast<D>(static_cast<C>(target) + v);
   }
 }
 

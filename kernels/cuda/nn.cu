@@ -5,8 +5,8 @@
 // softmax, kernels/online_softmax.h: every exp is of a value minus a max at least as large, so none
 // overflows), reading 16-byte packs (Note [Row packs]). Math runs in compute_t<T>: f32 for 16-bit
 // storage, f64 for f64; their exps in f32 take the hardware's (row_exp). Every output is
-// overwritten, the backward ones included; layer norm's dweight and dbias are this call's sums,
-// which the engine adds into the leaves.
+// overwritten, the backward ones included, except layer norm's dweight and dbias: this call's
+// sums, weighted, are added into them (the parameters' gradient slots, or zeroed buffers).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -519,18 +519,19 @@ __global__ void layer_norm_partials_kernel(compute_t<T>* partial_w, compute_t<T>
   partial_b[chunk * cols + col] = tb;
 }
 
+// Adds grad_weight * (the chunk partials in chunk order) into dweight and dbias, as add_weighted.
 template <class A>
 __global__ void layer_norm_params_kernel(A* dweight, A* dbias, const A* partial_w,
                                          const A* partial_b, std::int64_t chunks,
-                                         std::int64_t cols) {
+                                         std::int64_t cols, A grad_weight) {
   for (std::int64_t col = global_thread(); col < cols; col += grid_threads()) {
     A tw = 0, tb = 0;
     for (std::int64_t c = 0; c < chunks; ++c) {
       tw += partial_w[c * cols + col];
       tb += partial_b[c * cols + col];
     }
-    if (dweight != nullptr) dweight[col] = tw;
-    if (dbias != nullptr) dbias[col] = tb;
+    if (dweight != nullptr) dweight[col] = add_weighted(dweight[col], tw, grad_weight);
+    if (dbias != nullptr) dbias[col] = add_weighted(dbias[col], tb, grad_weight);
   }
 }
 
@@ -660,7 +661,8 @@ void layer_norm_forward(const StridedView& y, const StridedView& mean, const Str
 void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
                          const StridedView& dbias, const StridedView& dy, const StridedView& x,
                          const StridedView& mean, const StridedView& rstd,
-                         const StridedView& weight, const StridedView& workspace) {
+                         const StridedView& weight, const StridedView& workspace,
+                         double grad_weight) {
   MB_ASSERT(x.is_contiguous() && dy.is_contiguous() && (!dx.data || dx.is_contiguous()) &&
                 mean.is_contiguous() && rstd.is_contiguous(),
             "layer_norm backward rows and statistics must be contiguous");
@@ -697,7 +699,8 @@ void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
       MB_CUDA_CHECK_LAUNCH("layer_norm_partials_kernel");
     }
     layer_norm_params_kernel<A><<<grid_for(cols, kThreads), kThreads, 0, current_stream()>>>(
-        dweight.ptr<A>(), dbias.ptr<A>(), partial_w, partial_b, chunks, cols);
+        dweight.ptr<A>(), dbias.ptr<A>(), partial_w, partial_b, chunks, cols,
+        static_cast<A>(grad_weight));
     MB_CUDA_CHECK_LAUNCH("layer_norm_params_kernel");
   });
 }

@@ -47,6 +47,7 @@ void raise_pending_index_error(int) {}  // no device, so nothing can be pending
 void gather(const StridedView&, const StridedView&, const StridedView&, int) { no_cuda("cuda::gather"); }
 void scatter_add(const StridedView&, const StridedView&, const StridedView&, int, double) { no_cuda("cuda::scatter_add"); }
 void sum_columns(const StridedView&, const StridedView&, std::int64_t, const StridedView&) { no_cuda("cuda::sum_columns"); }
+void add_column_sums(const StridedView&, const StridedView&, double, const StridedView&) { no_cuda("cuda::add_column_sums"); }
 void scatter_add_sorted(const StridedView&, const StridedView&, const StridedView&, int, const StridedView&, double) {
   no_cuda("cuda::scatter_add_sorted");
 }
@@ -57,7 +58,7 @@ void softmax_backward(SoftmaxKind, const StridedView&, const StridedView&, const
 void cross_entropy_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, CrossEntropyArgs) { no_cuda("cuda::cross_entropy_forward"); }
 void cross_entropy_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, CrossEntropyArgs) { no_cuda("cuda::cross_entropy_backward"); }
 void layer_norm_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, double) { no_cuda("cuda::layer_norm_forward"); }
-void layer_norm_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&) { no_cuda("cuda::layer_norm_backward"); }
+void layer_norm_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, double) { no_cuda("cuda::layer_norm_backward"); }
 AttentionKernel attention_kernel() { no_cuda("cuda::attention_kernel"); }
 void set_attention_kernel(AttentionKernel) { no_cuda("cuda::set_attention_kernel"); }
 void attention_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_forward"); }

@@ -207,9 +207,22 @@ __global__ void sum_columns_final(void* out, const typename R::Acc* partials, st
   }
 }
 
+// dst[c] += w * (the chunk partials of column c added in chunk order), as add_weighted.
+template <class D>
+__global__ void add_column_sums_final(D* dst, const double* partials, std::int64_t chunks,
+                                      std::int64_t cols, compute_t<D> w) {
+  for (std::int64_t col = global_thread(); col < cols; col += grid_threads()) {
+    double acc = partials[col];
+#pragma unroll 8
+    for (std::int64_t s = 1; s < chunks; ++s) acc += partials[s * cols + col];
+    dst[col] = add_weighted(dst[col], static_cast<compute_t<D>>(acc), w);
+  }
+}
+
+// The first pass of a column sum (Note [Column sums]) into `partials`; returns the chunk count.
 template <class R, class T>
-void launch_columns(const StridedView& out, const StridedView& in, std::int64_t ld,
-                    std::int64_t rows, std::int64_t cols, const StridedView& partials) {
+std::int64_t column_partials(const StridedView& in, std::int64_t ld, std::int64_t rows,
+                             std::int64_t cols, const StridedView& partials) {
   using Acc = typename R::Acc;
   const ColumnSplit split = column_split(rows, cols);
   MB_ASSERT(partials.is_contiguous() && partials.numel() == split.chunks * cols &&
@@ -218,14 +231,21 @@ void launch_columns(const StridedView& out, const StridedView& in, std::int64_t 
             partials.numel(), dtype_size(partials.dtype), split.chunks, cols, sizeof(Acc));
   MB_ASSERT(split.chunks <= 65535, "sum_columns: {} chunks exceed the grid's y limit",
             split.chunks);
-  cudaStream_t stream = current_stream();
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColumnSumTile)),
                   static_cast<unsigned>(split.chunks));
-  sum_columns_partial<R, T><<<grid, kColumnThreads, 0, stream>>>(
+  sum_columns_partial<R, T><<<grid, kColumnThreads, 0, current_stream()>>>(
       partials.ptr<Acc>(), in.ptr<T>(), ld, rows, cols, split.rows_per_chunk);
   MB_CUDA_CHECK_LAUNCH("sum_columns_partial");
-  sum_columns_final<R><<<grid_for(cols, kThreads), kThreads, 0, stream>>>(
-      out.data, partials.ptr<Acc>(), split.chunks, cols);
+  return split.chunks;
+}
+
+template <class R, class T>
+void launch_columns(const StridedView& out, const StridedView& in, std::int64_t ld,
+                    std::int64_t rows, std::int64_t cols, const StridedView& partials) {
+  using Acc = typename R::Acc;
+  const std::int64_t chunks = column_partials<R, T>(in, ld, rows, cols, partials);
+  sum_columns_final<R><<<grid_for(cols, kThreads), kThreads, 0, current_stream()>>>(
+      out.data, partials.ptr<Acc>(), chunks, cols);
   MB_CUDA_CHECK_LAUNCH("sum_columns_final");
 }
 
@@ -271,6 +291,24 @@ void sum_columns(const StridedView& out, const StridedView& in, std::int64_t col
     } else {
       launch_columns<SumFloat<T>, T>(out, in, ld, rows, cols, partials);
     }
+  });
+}
+
+void add_column_sums(const StridedView& dst, const StridedView& in, double weight,
+                     const StridedView& partials) {
+  MB_ASSERT(in.is_rows() && dst.is_contiguous() && dst.numel() == in.shape[1],
+            "add_column_sums: a ({}) destination for {}-d input of {} elements", dst.numel(),
+            in.ndim, in.numel());
+  const std::int64_t rows = in.shape[0], cols = in.shape[1];
+  if (cols == 0) return;
+  dispatch_float(in.dtype, "add_column_sums", [&]<class T>() {
+    const std::int64_t chunks =
+        column_partials<SumFloat<T>, T>(in, in.strides[0], rows, cols, partials);
+    dispatch_float(dst.dtype, "add_column_sums", [&]<class D>() {
+      add_column_sums_final<D><<<grid_for(cols, kThreads), kThreads, 0, current_stream()>>>(
+          dst.ptr<D>(), partials.ptr<double>(), chunks, cols, static_cast<compute_t<D>>(weight));
+      MB_CUDA_CHECK_LAUNCH("add_column_sums_final");
+    });
   });
 }
 

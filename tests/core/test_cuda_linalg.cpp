@@ -6,6 +6,7 @@
 #include "core/ops/dispatch.h"
 #include "kernels/conv.h"
 #include "kernels/gemm.h"
+#include "kernels/reduce.h"
 #include "tests/core/harness.h"
 
 using namespace microbatch;
@@ -314,6 +315,32 @@ TEST_CASE("meta mirroring CUDA: gelu_mlp is one node that makes no GELU-gradient
   CHECK(peak(Backend::cpu, true) == peak(Backend::cpu, false));
 }
 
+TEST_CASE("meta mirroring CUDA: a bias with a gradient buffer takes its sums without a temporary") {
+  // Note [Bias gradients in place]: with the input and the weight needing no gradient, linear's
+  // backward allocates the column sums' f64 partials and nothing else where the bias has a
+  // buffer; without one it also makes the (N) gradient it returns.
+  const std::int64_t m = 4096, k = 64, n = 4096;
+  const std::int64_t partials = kernels::column_split(m, n).chunks * n * 8;
+  auto extra = [&](bool buffer) {
+    MetaBackendGuard mirror(Backend::cuda);
+    const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
+    Tensor x = empty({m, k}, o), w = empty({n, k}, o), b = empty({n}, o).requires_grad_(true);
+    if (buffer) b.set_grad(empty({n}, {.device = kMeta}));
+    Tensor y = linear(x, w, b);
+    Tensor g = empty({m, n}, o);
+    reset_peak_memory_stats(kMeta);
+    const std::int64_t before = memory_stats(kMeta).allocated.current;
+    y.backward(g);
+    CHECK(b.grad().shape() == Shape{n});
+    return memory_stats(kMeta).allocated.peak - before;
+  };
+  const std::int64_t with = extra(true), without = extra(false);
+  INFO("peak above the backward's start: with a buffer " << with << ", without " << without);
+  CHECK(with >= partials);
+  CHECK(with < partials + n * 2);  // no (N) gradient
+  CHECK(without >= partials + n * 2);
+}
+
 TEST_CASE("meta mirroring CUDA: conv2d and max_pool2d give shapes and run no kernel") {
   MetaBackendGuard mirror(Backend::cuda);
   for (DType dt : {DType::f32, DType::bf16}) {
@@ -596,6 +623,55 @@ MB_CUDA_TEST_CASE(
     const ParityOptions tol = parity_tolerance(c.input == DType::f32 ? c.grad : c.input);
     check_close(gpu_grad.to(kCPU).to(DType::f64), cpu_grad.to(DType::f64), tol.rtol, tol.atol,
                 "weight gradient in the arena");
+  }
+}
+
+MB_CUDA_TEST_CASE(
+    "cuda linear, gelu_mlp and layer_norm add their bias and norm gradients into buffers as the CPU") {
+  // Note [Bias gradients in place]: on both backends the column sums of linear's and gelu_mlp's
+  // biases and layer norm's two sums go straight into preset buffers, weighted. CUDA adds in
+  // another order than the CPU, so the buffers agree within the dtype's parity tolerance; each
+  // parameter's gradient is still its buffer. 33 columns: 16-bit rows padded on CUDA.
+  struct Case {
+    DType param, buffer;
+  };
+  for (Case c : {Case{DType::f32, DType::f32}, Case{DType::bf16, DType::f32}, Case{DType::f16, DType::f32},
+                 Case{DType::f64, DType::f64}, Case{DType::bf16, DType::bf16}}) {
+    CAPTURE(dtype_name(c.param));
+    CAPTURE(dtype_name(c.buffer));
+    const std::int64_t m = 300, k = 24, hidden = 64, n = 33;
+    auto run = [&](Device device) {
+      std::vector<Tensor> params, buffers;
+      auto param = [&](const Shape& shape, std::uint64_t seed) {
+        Tensor p = input(shape, -1, 1, seed).detach().to(device, c.param).requires_grad_(true);
+        buffers.push_back(full(shape, 0.5, {.dtype = c.buffer, .device = device}));
+        p.set_grad(buffers.back());
+        params.push_back(p);
+        return p;
+      };
+      Tensor w = param({n, k}, 2), b = param({n}, 3), w1 = param({hidden, k}, 4),
+             b1 = param({hidden}, 5), w2 = param({n, hidden}, 6), b2 = param({n}, 7),
+             gamma = param({n}, 8), beta = param({n}, 9);
+      {
+        GradWeightGuard weight(0.3);
+        for (std::uint64_t seed : {10, 11}) {
+          const Tensor x = input({m, k}, -1, 1, seed).detach().to(device, c.param);
+          const Tensor dy = input({m, n}, -1, 1, seed + 10).detach().to(device, c.param);
+          layer_norm(linear(x, w, b) + gelu_mlp(x, w1, b1, w2, b2), {n}, gamma, beta).backward(dy);
+        }
+      }
+      std::vector<Tensor> out;
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        CHECK(params[i].grad().same_storage(buffers[i]));
+        out.push_back(buffers[i].to(kCPU).to(DType::f64));
+      }
+      return out;
+    };
+    const std::vector<Tensor> cpu = run(kCPU), gpu = run(cuda_device(0));
+    const ParityOptions tol = parity_tolerance(c.param == DType::f32 ? c.buffer : c.param);
+    const char* names[] = {"w", "b", "w1", "b1", "w2", "b2", "gamma", "beta"};
+    for (std::size_t i = 0; i < cpu.size(); ++i)
+      check_close(gpu[i], cpu[i], tol.rtol, tol.atol, label(std::string(names[i]) + "'s buffer", c.param));
   }
 }
 

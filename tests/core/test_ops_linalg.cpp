@@ -45,6 +45,73 @@ TEST_CASE("linear matches its composition x @ w^T + b, also in bf16 where it rou
   check_close(linear(xb, wb, bb), once, 0, 0, "bf16 rounds once");
 }
 
+TEST_CASE("linear adds its bias gradient straight into a preset buffer, as the summing loop") {
+  // Note [Bias gradients in place]: grad += w * (dy's column sums in f64, rounded to the buffer's
+  // compute type), the product rounded, then the sum, and no bias gradient returned. The expected
+  // buffer is that loop, written out here in the buffer's arithmetic, to the bit.
+  struct Case {
+    DType param, buffer;
+  };
+  const std::int64_t m = 37, k = 5, n = 6;
+  for (Case c : {Case{DType::f32, DType::f32}, Case{DType::bf16, DType::f32}, Case{DType::f16, DType::f32},
+                 Case{DType::f64, DType::f64}, Case{DType::bf16, DType::bf16}}) {
+    CAPTURE(std::string(dtype_name(c.param)));
+    CAPTURE(std::string(dtype_name(c.buffer)));
+    const Tensor x = input({m, k}).detach().to(c.param), w = input({n, k}, -1, 1, 2).detach().to(c.param);
+    Tensor b = input({n}, -1, 1, 3).detach().to(c.param).requires_grad_(true);
+    Tensor buffer = full({n}, 0.5, {.dtype = c.buffer});
+    b.set_grad(buffer);
+    // Values of mixed magnitude, so that the column sums round.
+    const Tensor dy1 = input({m, n}, -1, 1, 4).detach().to(c.param);
+    const Tensor dy2 = (input({m, n}, -1, 1, 5).detach() * 1000.0 + 0.1).to(c.param);
+    {
+      GradWeightGuard weight(0.3);
+      for (const Tensor& dy : {dy1, dy2}) linear(x, w, b).backward(dy);
+    }
+    CHECK(b.grad().same_storage(buffer));  // written in place
+    std::vector<double> want(static_cast<std::size_t>(n), 0.5);
+    for (const Tensor& dy : {dy1, dy2}) {
+      const std::vector<double> g = dy.to_vector();
+      for (std::int64_t col = 0; col < n; ++col) {
+        double column = 0.0;  // f64, in row order
+        for (std::int64_t r = 0; r < m; ++r) column += g[static_cast<std::size_t>(r * n + col)];
+        double& t = want[static_cast<std::size_t>(col)];
+        if (c.buffer == DType::f64) {
+          const double product = 0.3 * column;
+          t = t + product;
+        } else {
+          const float product = static_cast<float>(0.3) * static_cast<float>(column);
+          const float total = static_cast<float>(t) + product;
+          t = from_vector({static_cast<double>(total)}, {1}).to(c.buffer).to_vector()[0];
+        }
+      }
+    }
+    check_close(buffer.to(DType::f64), want, 0.0, 0.0, "the buffer after two weighted backward passes (to the bit)");
+  }
+  // On the CPU that takes no memory: no transposed copy of dy, no (N) temporary.
+  {
+    const Tensor x = input({256, 8}).detach().to(DType::f32), w = input({64, 8}, -1, 1, 2).detach().to(DType::f32);
+    Tensor b = zeros({64}).requires_grad_(true);
+    b.set_grad(zeros({64}));
+    const Tensor dy = input({256, 64}, -1, 1, 3).detach().to(DType::f32);
+    Tensor y = linear(x, w, b);
+    reset_peak_memory_stats(kCPU);
+    const std::int64_t before = memory_stats(kCPU).allocated.current;
+    y.backward(dy);
+    CHECK(memory_stats(kCPU).allocated.peak == before);
+  }
+  // grad() capturing the bias gets the column sums returned, and the buffer is left alone.
+  Tensor x = input({7, 3}).detach(), w = input({4, 3}, -1, 1, 2).detach();
+  Tensor b = zeros({4}).to(DType::f64).requires_grad_(true);
+  Tensor buffer = zeros({4}, {.dtype = DType::f64});
+  b.set_grad(buffer);
+  const Tensor dy = input({7, 4}, -1, 1, 3).detach();
+  const Tensor db = grad({sum(linear(x, w, b) * dy)}, {Tensor()}, {b})[0];
+  CHECK_FALSE(db.same_storage(buffer));
+  check_close(db, sum(dy, {0}), 1e-15, 1e-15, "captured bias gradient");
+  CHECK(sum(buffer).item() == 0.0);
+}
+
 TEST_CASE("linear writes the weight gradient straight into a preset buffer: grad += w * dy^T x") {
   Tensor x = input({6, 4}), w = input({3, 4}, -1, 1, 2), b = input({3}, -1, 1, 3);
   Tensor dy = input({6, 3}, -1, 1, 4).detach();

@@ -410,6 +410,73 @@ TEST_CASE("layer_norm gradcheck: with and without weight and bias, 1 and 2 trail
             {input({4}, 0.5, 1.5, 86)});
 }
 
+TEST_CASE("layer_norm adds its weight and bias gradients straight into preset buffers") {
+  // Note [Bias gradients in place] (core/ops/linalg.cpp): grad += w * (the sums over rows in the
+  // math dtype), the product rounded, then the sum; nothing is returned for them. The expected
+  // buffers are that update applied to the sums the op returns where it cannot add in place
+  // (grad() capturing the parameters), to the bit. A 16-bit model's f32 buffers take f32 sums:
+  // those of the same layer norm in f32 on the same values, not their 16-bit roundings.
+  const std::int64_t rows = 23, cols = 70;
+  for (DType param : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(std::string(dtype_name(param)));
+    const DType math = param == DType::f64 ? DType::f64 : DType::f32;
+    const Tensor x = input({rows, cols}, -3, 3, 1).detach().to(param);
+    Tensor gamma = input({cols}, 0.5, 1.5, 2).detach().to(param).requires_grad_(true);
+    Tensor beta = input({cols}, -1, 1, 3).detach().to(param).requires_grad_(true);
+    const Tensor dy1 = input({rows, cols}, -1, 1, 4).detach().to(param);
+    const Tensor dy2 = (input({rows, cols}, -1, 1, 5).detach() * 300.0).to(param);
+    // The sums over rows, in the math dtype, as the op returns them without buffers: of the
+    // math-dtype layer norm on the same values.
+    std::vector<std::vector<Tensor>> sums;
+    for (const Tensor& dy : {dy1, dy2}) {
+      Tensor gm = gamma.detach().to(math).requires_grad_(true), bm = beta.detach().to(math).requires_grad_(true);
+      sums.push_back(grad({layer_norm(x.to(math), {cols}, gm, bm)}, {dy.to(math)}, {gm, bm}));
+    }
+    Tensor dgamma = full({cols}, 0.5, {.dtype = math}), dbeta = full({cols}, -0.25, {.dtype = math});
+    gamma.set_grad(dgamma);
+    beta.set_grad(dbeta);
+    {
+      GradWeightGuard weight(0.3);
+      for (const Tensor& dy : {dy1, dy2}) layer_norm(x, {cols}, gamma, beta).backward(dy);
+    }
+    CHECK(gamma.grad().same_storage(dgamma));
+    CHECK(beta.grad().same_storage(dbeta));
+    for (int p = 0; p < 2; ++p) {
+      std::vector<double> want(static_cast<std::size_t>(cols), p == 0 ? 0.5 : -0.25);
+      for (const auto& s : sums) {
+        const std::vector<double> v = s[static_cast<std::size_t>(p)].to_vector();
+        for (std::size_t j = 0; j < want.size(); ++j) {
+          if (math == DType::f64) {
+            const double product = 0.3 * v[j];
+            want[j] = want[j] + product;
+          } else {
+            const float product = static_cast<float>(0.3) * static_cast<float>(v[j]);
+            want[j] = static_cast<double>(static_cast<float>(want[j]) + product);
+          }
+        }
+      }
+      check_close((p == 0 ? dgamma : dbeta).to(DType::f64), want, 0.0, 0.0,
+                  p == 0 ? "weight's buffer (to the bit)" : "bias's buffer (to the bit)");
+    }
+  }
+  // A buffer that cannot take the sums in place (a 16-bit buffer of a 16-bit weight) sends both
+  // through the returned gradients, weighted once.
+  Tensor gamma = ones({8}, {.dtype = DType::bf16}).requires_grad_(true);
+  Tensor beta = zeros({8}, {.dtype = DType::bf16}).requires_grad_(true);
+  Tensor g16 = zeros({8}, {.dtype = DType::bf16}), b32 = zeros({8});
+  gamma.set_grad(g16);
+  beta.set_grad(b32);
+  const Tensor x = input({4, 8}, -1, 1, 6).detach().to(DType::bf16);
+  {
+    GradWeightGuard weight(0.5);
+    layer_norm(x, {8}, gamma, beta).backward(ones({4, 8}, {.dtype = DType::bf16}));
+  }
+  check_close(beta.grad(), std::vector<double>(8, 2.0), 0, 0, "bias: 0.5 * 4 rows of 1");
+  check_close(gamma.grad().to(DType::f32),
+              sum(layer_norm(x.to(DType::f32), {8}), {0}).detach() * 0.5, 1e-2, 1e-2,
+              "weight: 0.5 * sum of xhat");
+}
+
 TEST_CASE("layer_norm errors") {
   Tensor x = zeros({2, 3, 4});
   check_throws_with(
