@@ -13,6 +13,17 @@
 #define MB_HOST_DEVICE
 #endif
 
+// x86's F16C instructions (vcvtps2ph / vcvtph2ps) convert in one instruction where the software
+// conversion below takes a dozen branchy ones; a -march=native build on a CPU that has them
+// defines __F16C__. Their results are the software's for every value but NaN, whose payload they
+// keep where the software makes one quiet NaN, so NaN takes the software path. Host code that nvcc
+// compiles (without -march=native) converts in software: the same bits (checked over every f32
+// value once, and sampled by a test), so either definition of these inline functions serves.
+#if defined(__F16C__) && !defined(__CUDA_ARCH__)
+#include <immintrin.h>
+#define MB_HAVE_F16C 1
+#endif
+
 namespace microbatch {
 
 MB_HOST_DEVICE inline std::uint32_t float_bits(float f) {
@@ -27,11 +38,9 @@ MB_HOST_DEVICE inline float bits_float(std::uint32_t u) {
   return f;
 }
 
-/// IEEE 754 binary16, round to nearest even; overflow gives inf (like a CUDA __float2half_rn).
-MB_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __half_as_ushort(__float2half_rn(f));  // the same rounding, one instruction
-#else
+/// float_to_half_bits in integer arithmetic alone: what host code without F16C computes, and the
+/// reference the instruction path is checked against (tests/core/test_tensor.cpp).
+MB_HOST_DEVICE inline std::uint16_t float_to_half_bits_portable(float f) {
   std::uint32_t x = float_bits(f);
   std::uint32_t sign = (x >> 16) & 0x8000u;
   std::uint32_t exp = (x >> 23) & 0xffu;
@@ -53,13 +62,10 @@ MB_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) {
   std::uint32_t rem = mant & 0x1fffu;
   if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry into the exponent is correct
   return static_cast<std::uint16_t>(sign | h);
-#endif
 }
 
-MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
-#if defined(__CUDA_ARCH__)
-  return __half2float(__ushort_as_half(h));
-#else
+/// half_bits_to_float in integer arithmetic alone (see float_to_half_bits_portable).
+MB_HOST_DEVICE inline float half_bits_to_float_portable(std::uint16_t h) {
   std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
   std::uint32_t exp = (h >> 10) & 0x1fu;
   std::uint32_t mant = h & 0x3ffu;
@@ -69,6 +75,28 @@ MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
   }
   if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));
   return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+/// IEEE 754 binary16, round to nearest even; overflow gives inf (like a CUDA __float2half_rn).
+MB_HOST_DEVICE inline std::uint16_t float_to_half_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rn(f));  // the same rounding, one instruction
+#elif defined(MB_HAVE_F16C)
+  if ((float_bits(f) & 0x7fffffffu) > 0x7f800000u) return float_to_half_bits_portable(f);  // NaN
+  return static_cast<std::uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+  return float_to_half_bits_portable(f);
+#endif
+}
+
+MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#elif defined(MB_HAVE_F16C)
+  if ((h & 0x7fffu) > 0x7c00u) return half_bits_to_float_portable(h);  // NaN
+  return _cvtsh_ss(h);
+#else
+  return half_bits_to_float_portable(h);
 #endif
 }
 
