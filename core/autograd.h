@@ -143,7 +143,8 @@ bool retaining_graph();
 /// Whether a backward formula may add its gradient for `t` straight into t.grad (`grad += w * g`
 /// with w = grad_weight(), Note [Gradient writes]) and return no gradient for it: t is a leaf that
 /// requires grad, already has a gradient buffer, and is not being captured by a grad() call.
-/// The weight-gradient GEMM of linear uses this to write into the gradient arena directly.
+/// linear's weight-gradient GEMM and bias sums, embedding's scatter and layer norm's sums use this
+/// (through in_place_grad for all but the GEMM) to write into the gradient arena directly.
 bool accumulates_in_place(const Tensor& t);
 
 /// t itself where it is a leaf that requires grad, else undefined: the handle a backward formula

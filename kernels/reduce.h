@@ -47,11 +47,11 @@ namespace cpu {
 /// (integer and bool input: exactly, into an i64 output);
 /// ArgMax writes i64 (first maximal index; NaN counts as maximal, as torch.argmax).
 void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std::int64_t inner);
-/// dst[c] += weight * sum over r of in[r, c], for a 2-d (rows, cols) view of unit-stride rows
-/// (contiguous, or padded: Note [Padded rows] in core/ops/linalg.cpp) and a contiguous floating
-/// dst of cols elements (a bias's gradient slot: Note [Bias gradients in place] in
-/// core/ops/linalg.cpp). Each column is summed in f64 in row order, as reduce_rows sums, rounded
-/// to dst's compute type, then multiplied and added as accumulate does.
+/// dst[c] += weight * sum over r of in[r, c], for any 2-d (rows, cols) floating view and a
+/// contiguous floating dst of cols elements (a bias's gradient slot: Note [Bias gradients in
+/// place] in core/ops/linalg.cpp). Each column is summed in f64 in row order, as reduce_rows sums,
+/// rounded to dst's compute type, then multiplied and added as accumulate does. The sums live in
+/// a scratch vector of cols doubles.
 void add_column_sums(const StridedView& dst, const StridedView& in, double weight);
 }  // namespace cpu
 
@@ -66,8 +66,10 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
 /// input), overwritten; out is overwritten.
 void sum_columns(const StridedView& out, const StridedView& in, std::int64_t cols,
                  const StridedView& partials);
-/// As cpu::add_column_sums, through sum_columns' two passes: the second adds each column's chunk
-/// partials in chunk order and then weight * that sum into dst. `partials` as for sum_columns.
+/// As cpu::add_column_sums for a view of unit-stride rows (contiguous, or padded: Note [Padded
+/// rows] in core/ops/linalg.cpp), through sum_columns' two passes: the second adds each column's
+/// chunk partials in chunk order and then weight * that sum into dst. `partials` as for
+/// sum_columns (f64).
 void add_column_sums(const StridedView& dst, const StridedView& in, double weight,
                      const StridedView& partials);
 }  // namespace cuda

@@ -175,17 +175,22 @@ namespace {
 // does through its GEMM (Note [Weight-gradient GEMM]), instead of a (N) temporary in the bias's
 // dtype that AccumulateGrad then adds in a launch of its own. The CPU sums the columns without the
 // transposed copy of the (M, N) gradient that a sum over dim 0 makes there; CUDA sums them in two
-// fixed-order passes (Note [Column sums] in kernels/reduce.h). For a 16-bit model the f32 slot
-// takes the f32 sum, where the temporary was rounded to 16 bits first; in f32 and f64 the bits are
-// those of the temporary's route. Layer norm's parameters take theirs the same way
-// (layer_norm_backward in kernels/nn.h).
+// fixed-order passes (Note [Column sums] in kernels/reduce.h). The slot takes the sum rounded to
+// its compute type (f32 for f32 and 16-bit slots, f64 for f64 ones), where the temporary was
+// rounded to the bias's dtype first: a 16-bit bias's gradient is summed in f32 and rounded once.
+// Where the slot's dtype is the bias's f32 or f64 the bits are the temporary's route's for the
+// layouts linear's gradients come in, (M, N) rows with N > 1 (a sum over dim 0 of other layouts
+// may add in another order). Layer norm's weight and bias take their sums the same way, in its
+// math dtype, where both slots are in that dtype (layer_norm_backward in kernels/nn.h); otherwise
+// both go through AccumulateGrad.
 void add_column_sums_into(const Tensor& slot, const Tensor& g2, double weight) {
-  Tensor partials;
+  // The CPU reads any layout; CUDA reads unit-stride rows, copying others.
+  Tensor partials, rows = g2;
   if (backend_of(g2.device()) == Backend::cuda) {
     const std::int64_t chunks = kernels::column_split(g2.shape()[0], g2.shape()[1]).chunks;
     partials = empty({chunks, g2.shape()[1]}, {.dtype = DType::f64, .device = g2.device()});
+    if (!g2.kview().is_rows()) rows = g2.contiguous();
   }
-  Tensor rows = g2.kview().is_rows() ? g2 : g2.contiguous();
   launch(
       "linear", g2.device(),
       [&] { kernels::cpu::add_column_sums(slot.kview(), rows.kview(), weight); },

@@ -50,18 +50,21 @@ void reduce_rows(ReduceOp op, const StridedView& out, const StridedView& in, std
 }
 
 void add_column_sums(const StridedView& dst, const StridedView& in, double weight) {
-  MB_ASSERT(in.is_rows() && dst.is_contiguous() && dst.numel() == in.shape[1],
+  MB_ASSERT(in.ndim == 2 && dst.is_contiguous() && dst.numel() == in.shape[1],
             "add_column_sums: a ({}) destination for {}-d input of {} elements", dst.numel(),
             in.ndim, in.numel());
-  const std::int64_t rows = in.shape[0], cols = in.shape[1], ld = in.strides[0];
+  const std::int64_t rows = in.shape[0], cols = in.shape[1];
+  const std::int64_t row_stride = in.strides[0], col_stride = in.strides[1];
   dispatch_float(in.dtype, "add_column_sums", [&]<class T>() {
     dispatch_float(dst.dtype, "add_column_sums", [&]<class D>() {
       using C = compute_t<D>;
       std::vector<double> acc(static_cast<std::size_t>(cols), 0.0);
       for (std::int64_t r = 0; r < rows; ++r) {  // row order, as reduce_rows sums a column
-        const T* x = in.ptr<T>() + r * ld;
-        for (std::int64_t c = 0; c < cols; ++c)
-          acc[static_cast<std::size_t>(c)] += static_cast<double>(static_cast<compute_t<T>>(x[c]));
+        const T* x = in.ptr<T>() + r * row_stride;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const T v = x[c * col_stride];
+          acc[static_cast<std::size_t>(c)] += static_cast<double>(static_cast<compute_t<T>>(v));
+        }
       }
       D* d = dst.ptr<D>();
       const C w = static_cast<C>(weight);

@@ -13,7 +13,9 @@
 // rows: its warps read whole 32-column segments of a row (coalesced), warp w folding rows w, w + 8,
 // ... of the chunk in order; the block adds its warps' partials in warp order into the workspace,
 // and a second kernel adds each column's chunk partials in chunk order. Every order is fixed by the
-// shape, so reruns give the same bits.
+// shape, so reruns give the same bits. add_column_sums runs the same first pass; its second adds
+// w * each column's sum into a gradient slot (Note [Bias gradients in place] in
+// core/ops/linalg.cpp).
 #include <cstdint>
 #include <type_traits>
 
@@ -227,9 +229,9 @@ std::int64_t column_partials(const StridedView& in, std::int64_t ld, std::int64_
   const ColumnSplit split = column_split(rows, cols);
   MB_ASSERT(partials.is_contiguous() && partials.numel() == split.chunks * cols &&
                 dtype_size(partials.dtype) == sizeof(Acc),
-            "sum_columns: the workspace has {} elements of {} bytes, expected ({}, {}) of {}",
+            "column sums: the workspace has {} elements of {} bytes, expected ({}, {}) of {}",
             partials.numel(), dtype_size(partials.dtype), split.chunks, cols, sizeof(Acc));
-  MB_ASSERT(split.chunks <= 65535, "sum_columns: {} chunks exceed the grid's y limit",
+  MB_ASSERT(split.chunks <= 65535, "column sums: {} chunks exceed the grid's y limit",
             split.chunks);
   const dim3 grid(static_cast<unsigned>(ceil_div(cols, kColumnSumTile)),
                   static_cast<unsigned>(split.chunks));

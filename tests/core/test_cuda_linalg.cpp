@@ -630,8 +630,9 @@ MB_CUDA_TEST_CASE(
     "cuda linear, gelu_mlp and layer_norm add their bias and norm gradients into buffers as the CPU") {
   // Note [Bias gradients in place]: on both backends the column sums of linear's and gelu_mlp's
   // biases and layer norm's two sums go straight into preset buffers, weighted. CUDA adds in
-  // another order than the CPU, so the buffers agree within the dtype's parity tolerance; each
-  // parameter's gradient is still its buffer. 33 columns: 16-bit rows padded on CUDA.
+  // another order than the CPU, so the buffers agree within the dtype's parity tolerance. The
+  // head's 33 logits a row are padded on CUDA in 16 bits, and so is the cross-entropy's gradient
+  // that its bias sums; a 1-wide head has a one-column bias.
   struct Case {
     DType param, buffer;
   };
@@ -651,13 +652,23 @@ MB_CUDA_TEST_CASE(
       };
       Tensor w = param({n, k}, 2), b = param({n}, 3), w1 = param({hidden, k}, 4),
              b1 = param({hidden}, 5), w2 = param({n, hidden}, 6), b2 = param({n}, 7),
-             gamma = param({n}, 8), beta = param({n}, 9);
+             gamma = param({n}, 8), beta = param({n}, 9), head = param({n, n}, 12),
+             head_b = param({n}, 13), one = param({1, n}, 14), one_b = param({1}, 15);
       {
         GradWeightGuard weight(0.3);
         for (std::uint64_t seed : {10, 11}) {
           const Tensor x = input({m, k}, -1, 1, seed).detach().to(device, c.param);
-          const Tensor dy = input({m, n}, -1, 1, seed + 10).detach().to(device, c.param);
-          layer_norm(linear(x, w, b) + gelu_mlp(x, w1, b1, w2, b2), {n}, gamma, beta).backward(dy);
+          const Tensor h =
+              layer_norm(linear(x, w, b) + gelu_mlp(x, w1, b1, w2, b2), {n}, gamma, beta);
+          std::vector<double> labels(static_cast<std::size_t>(m));
+          for (std::int64_t i = 0; i < m; ++i) {
+            labels[static_cast<std::size_t>(i)] = static_cast<double>((i * 7 + seed) % n);
+          }
+          const Tensor target = from_vector(labels, {m}, {.dtype = DType::i64}).to(device);
+          const DType math = c.param == DType::f64 ? DType::f64 : DType::f32;
+          const Tensor loss = cross_entropy(linear(h, head, head_b), target, {.loss_dtype = math}) +
+                              sum(linear(h, one, one_b).to(math) * 0.01);
+          loss.backward();
         }
       }
       std::vector<Tensor> out;
@@ -669,7 +680,8 @@ MB_CUDA_TEST_CASE(
     };
     const std::vector<Tensor> cpu = run(kCPU), gpu = run(cuda_device(0));
     const ParityOptions tol = parity_tolerance(c.param == DType::f32 ? c.buffer : c.param);
-    const char* names[] = {"w", "b", "w1", "b1", "w2", "b2", "gamma", "beta"};
+    const char* names[] = {"w",     "b",    "w1",   "b1",     "w2",  "b2",
+                           "gamma", "beta", "head", "head_b", "one", "one_b"};
     for (std::size_t i = 0; i < cpu.size(); ++i)
       check_close(gpu[i], cpu[i], tol.rtol, tol.atol, label(std::string(names[i]) + "'s buffer", c.param));
   }

@@ -61,9 +61,10 @@ TEST_CASE("linear adds its bias gradient straight into a preset buffer, as the s
     Tensor b = input({n}, -1, 1, 3).detach().to(c.param).requires_grad_(true);
     Tensor buffer = full({n}, 0.5, {.dtype = c.buffer});
     b.set_grad(buffer);
-    // Values of mixed magnitude, so that the column sums round.
+    // Values of mixed magnitude, so that the column sums round; the second stored transposed,
+    // which the CPU reads where it lies.
     const Tensor dy1 = input({m, n}, -1, 1, 4).detach().to(c.param);
-    const Tensor dy2 = (input({m, n}, -1, 1, 5).detach() * 1000.0 + 0.1).to(c.param);
+    const Tensor dy2 = (input({n, m}, -1, 1, 5).detach() * 1000.0 + 0.1).to(c.param).t();
     {
       GradWeightGuard weight(0.3);
       for (const Tensor& dy : {dy1, dy2}) linear(x, w, b).backward(dy);
@@ -88,17 +89,21 @@ TEST_CASE("linear adds its bias gradient straight into a preset buffer, as the s
     }
     check_close(buffer.to(DType::f64), want, 0.0, 0.0, "the buffer after two weighted backward passes (to the bit)");
   }
-  // On the CPU that takes no memory: no transposed copy of dy, no (N) temporary.
-  {
+  // On the CPU that takes no tensor memory, dy in rows or transposed: no copy of dy, no (N)
+  // temporary (the sums live in the kernel's scratch).
+  for (bool transposed : {false, true}) {
+    CAPTURE(transposed);
     const Tensor x = input({256, 8}).detach().to(DType::f32), w = input({64, 8}, -1, 1, 2).detach().to(DType::f32);
     Tensor b = zeros({64}).requires_grad_(true);
     b.set_grad(zeros({64}));
-    const Tensor dy = input({256, 64}, -1, 1, 3).detach().to(DType::f32);
+    const Tensor dy = transposed ? input({64, 256}, -1, 1, 3).detach().to(DType::f32).t()
+                                 : input({256, 64}, -1, 1, 3).detach().to(DType::f32);
     Tensor y = linear(x, w, b);
     reset_peak_memory_stats(kCPU);
     const std::int64_t before = memory_stats(kCPU).allocated.current;
     y.backward(dy);
     CHECK(memory_stats(kCPU).allocated.peak == before);
+    check_close(b.grad(), sum(dy, {0}), 1e-6, 1e-6, "the bias gradient");
   }
   // grad() capturing the bias gets the column sums returned, and the buffer is left alone.
   Tensor x = input({7, 3}).detach(), w = input({4, 3}, -1, 1, 2).detach();

@@ -459,6 +459,27 @@ TEST_CASE("layer_norm adds its weight and bias gradients straight into preset bu
                   p == 0 ? "weight's buffer (to the bit)" : "bias's buffer (to the bit)");
     }
   }
+  // In place, the backward allocates only dx; returning the sums takes two (cols) buffers more.
+  {
+    const std::int64_t wide = 4096;
+    const Tensor x = input({8, wide}, -1, 1, 7).detach().to(DType::f32);
+    const Tensor dy = input({8, wide}, -1, 1, 8).detach().to(DType::f32);
+    auto extra = [&](bool buffers) {
+      Tensor gamma = ones({wide}).requires_grad_(true), beta = zeros({wide}).requires_grad_(true);
+      if (buffers) {
+        gamma.set_grad(zeros({wide}));
+        beta.set_grad(zeros({wide}));
+      }
+      Tensor y = layer_norm(x, {wide}, gamma, beta);
+      reset_peak_memory_stats(kCPU);
+      const std::int64_t before = memory_stats(kCPU).allocated.current;
+      y.backward(dy);
+      return memory_stats(kCPU).allocated.peak - before;
+    };
+    const std::int64_t in_place = extra(true), returned = extra(false);
+    INFO("peak above the backward's start: in place " << in_place << ", returned " << returned);
+    CHECK(in_place + 2 * wide * 4 <= returned);
+  }
   // A buffer that cannot take the sums in place (a 16-bit buffer of a 16-bit weight) sends both
   // through the returned gradients, weighted once.
   Tensor gamma = ones({8}, {.dtype = DType::bf16}).requires_grad_(true);
