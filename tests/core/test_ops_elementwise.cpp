@@ -1,4 +1,5 @@
 #include <cmath>
+#include <limits>
 
 #include "tests/core/harness.h"
 
@@ -41,6 +42,47 @@ TEST_CASE("unary ops: gradcheck on contiguous and non-contiguous inputs") {
     gradcheck(c.name, [&](const std::vector<Tensor>& in) { return c.fn(in[0]); }, {x});
     gradcheck(std::string(c.name) + " (non-contiguous)",
               [&](const std::vector<Tensor>& in) { return c.fn(in[0]); }, {non_contiguous(x)});
+  }
+}
+
+TEST_CASE("gelu (tanh) on contiguous views, vectorized, agrees with the scalar loop of strided ones") {
+  // Note [Vectorized GELU] (kernels/cpu/elementwise.cpp): the same formulas with a vectorized exp,
+  // so the two paths may differ only through exp: a few units in f32's last place (one in a 16-bit
+  // result), and sigmoids below f32's smallest normal flushed to zero. The backward's sum has a zero
+  // near x = -0.75, so its tolerance is absolute there. Values from -60 to 60 (both sigmoid
+  // branches, their saturation), zeros, infinities and NaN; forward and backward. f64 runs the
+  // scalar loop on both layouts: the same bits.
+  std::vector<double> v;
+  for (int i = -3000; i <= 3000; ++i) v.push_back(i * 0.02 + 0.0013);
+  for (double x : {0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, 5e4, -5e4}) v.push_back(x);
+  v.push_back(std::numeric_limits<double>::infinity());
+  v.push_back(-std::numeric_limits<double>::infinity());
+  v.push_back(std::numeric_limits<double>::quiet_NaN());
+  const std::int64_t n = static_cast<std::int64_t>(v.size());
+  struct Case {
+    DType dtype;
+    double rtol, atol;
+  };
+  // A sigmoid below f32's smallest normal, flushed, times |x| <= 64.
+  const double tiny = std::ldexp(1.0, -120);
+  for (Case c : {Case{DType::f32, 8 * std::ldexp(1.0, -24), tiny}, Case{DType::f64, 0, 0},
+                 Case{DType::bf16, std::ldexp(1.0, -7), tiny}, Case{DType::f16, std::ldexp(1.0, -10), tiny}}) {
+    CAPTURE(std::string(dtype_name(c.dtype)));
+    const Tensor x = from_vector(v, {n}, {.dtype = DType::f64}).to(c.dtype);
+    const Tensor dy = input({n}, -2, 2, 3).detach().to(c.dtype);
+    const Tensor xs = non_contiguous(x), dys = non_contiguous(dy);  // strided: the scalar loop
+    REQUIRE_FALSE(xs.is_contiguous());
+    auto forward = [](const Tensor& t) { return gelu(t.detach(), GeluApproximate::Tanh); };
+    auto backward = [](const Tensor& t, const Tensor& g) {
+      Tensor leaf = t.detach().requires_grad_(true);
+      gelu(leaf, GeluApproximate::Tanh).backward(g);
+      return leaf.grad();
+    };
+    check_close(forward(x).to(DType::f64), forward(xs).contiguous().to(DType::f64), c.rtol, c.atol,
+                "forward");
+    // The backward's inputs are x and dy as they lie: contiguous for the vectorized loop.
+    check_close(backward(x, dy).to(DType::f64), backward(xs, dys).contiguous().to(DType::f64),
+                c.rtol, c.dtype == DType::f64 ? 0 : 1e-6, "backward");
   }
 }
 
