@@ -10,6 +10,7 @@
 #endif
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/rng.h"
 #include "kernels/cpu/chunks.h"
@@ -126,17 +127,25 @@ void binary_bool(const StridedView& out, const StridedView& a, const StridedView
 // the stable sigmoid) made the GELU pair a quarter of a small GPT's CPU step. The expressions are
 // ops::GeluTanh's and ops::GeluTanhBackward's, term for term and in the same order (the sigmoid's
 // two branches become one exp of -|z| and a select), so they differ from the scalar functors,
-// which the CUDA kernels run, only through exp: its last bits, and results below f32's smallest
-// normal, which Eigen's exp flushes to zero (tests/core/test_ops_elementwise.cpp checks the two
-// against each other). f64, the reference dtype of gradchecks, keeps the scalar loop.
+// which the CUDA kernels run, only through exp: its last bits, and exps below f32's smallest
+// normal, taken as zero (tests/core/test_ops_elementwise.cpp checks the two against each other,
+// in a -march=native build and in a portable one). f64, the reference dtype of gradchecks, keeps
+// the scalar loop.
 template <class C, class X>
 chunks::ChunkValue<C> gelu_tanh_u(const X& x) {
   return C(ops::kSqrt2OverPi) * (x + C(ops::kGeluCoeff) * x * x * x);
 }
+// The stable sigmoid, 0 where z is at or below log of C's smallest normal: there Eigen's exp
+// flushes to zero with some instruction sets and clamps its input (giving about that normal, even
+// for -inf) with others, and zero gives every build the same results (NaN still comes through x
+// in the callers). Eigen evaluates select coefficient by coefficient, so the exps are evaluated
+// before it, in packets.
 template <class C, class X>
 chunks::ChunkValue<C> stable_sigmoid(const X& z) {
+  static const C log_min_normal = std::log(std::numeric_limits<C>::min());
   const chunks::ChunkValue<C> e = (-z.abs()).exp();
-  return (z >= C(0)).select(C(1) / (C(1) + e), e / (C(1) + e));
+  return (z >= C(0)).select(C(1) / (C(1) + e),
+                            (z > log_min_normal).select(e / (C(1) + e), C(0)));
 }
 
 // Calls f(i0, len) over chunks of n elements, in parallel when n is large (each chunk written by
