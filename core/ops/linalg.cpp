@@ -379,8 +379,7 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
          [sx = SavedTensor(x, "gelu_mlp"), sw1 = SavedTensor(w1, "gelu_mlp"),
           sw2 = SavedTensor(w2, "gelu_mlp"), acts, x_shape = x.shape(), m, k, hidden, n,
           ld_hidden, dt, b1l = grad_leaf(b1), b2l = grad_leaf(b2), rx = x.requires_grad(),
-          rw1 = w1.requires_grad(),
-          rb1 = b1.requires_grad(), rw2 = w2.requires_grad(),
+          rw1 = w1.requires_grad(), rb1 = b1.requires_grad(), rw2 = w2.requires_grad(),
           rb2 = b2.requires_grad()](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
            if (g2.dtype() != dt) g2 = g2.to(dt);

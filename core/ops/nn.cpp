@@ -273,7 +273,8 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
   record("layer_norm", {x, weight, bias}, y,
          [sx = SavedTensor(xc, "layer_norm"), sw = SavedTensor(wc, "layer_norm"), mean, rstd,
           normalized_shape, cols, math, weight_leaf = grad_leaf(weight),
-          bias_leaf = grad_leaf(bias), rx = x.requires_grad(), rw = weight.defined() && weight.requires_grad(),
+          bias_leaf = grad_leaf(bias), rx = x.requires_grad(),
+          rw = weight.defined() && weight.requires_grad(),
           rb = bias.defined() && bias.requires_grad()](const Tensor& g) {
            Tensor xv = sx.get(), wv = sw.get();
            Tensor dy = g.contiguous();
@@ -287,7 +288,7 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
            auto takes = [&](bool wanted, const Tensor& slot) {
              return !wanted || (slot.defined() && slot.dtype() == math);
            };
-           const bool in_place = (rw || rb) && takes(rw, weight_slot) && takes(rb, bias_slot);
+           const bool in_place = takes(rw, weight_slot) && takes(rb, bias_slot);
            auto buffer = [&](bool wanted, const Tensor& slot) {
              if (!wanted) return Tensor();
              return in_place ? slot : zeros({cols}, {.dtype = math, .device = xv.device()});

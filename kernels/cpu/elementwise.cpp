@@ -1,13 +1,5 @@
 // Element-wise CPU loops over strided views, with the math from kernels/elementwise_ops.h.
 // Outputs are overwritten, except accumulate (`dst += w * src`).
-//
-// GCC 12 reports the AVX-512 intrinsics that Eigen's vectorized double exp inlines (the GELU
-// loops below instantiate it for f64, which they do not run) as using an uninitialized value where
-// -march=native offers AVX-512; the warning is about the compiler's own headers, so it is off for
-// this file, as for kernels/cpu/nn.cpp.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -131,10 +123,6 @@ void binary_bool(const StridedView& out, const StridedView& a, const StridedView
 // normal, taken as zero (tests/core/test_ops_elementwise.cpp checks the two against each other,
 // in a -march=native build and in a portable one). f64, the reference dtype of gradchecks, keeps
 // the scalar loop.
-template <class C, class X>
-chunks::ChunkValue<C> gelu_tanh_u(const X& x) {
-  return C(ops::kSqrt2OverPi) * (x + C(ops::kGeluCoeff) * x * x * x);
-}
 // The stable sigmoid, 0 where z is at or below log of C's smallest normal: there Eigen's exp
 // flushes to zero with some instruction sets and clamps its input (giving about that normal, even
 // for -inf) with others, and zero gives every build the same results (NaN still comes through x
@@ -174,7 +162,8 @@ void gelu_tanh_forward(const StridedView& out, const StridedView& in) {
     parallel_chunks(in.numel(), [&](std::int64_t i0, std::int64_t len) {
       C buf[chunks::kChunk];
       const auto x = chunks::load(in.ptr<T>() + i0, len, buf);
-      const chunks::ChunkValue<C> u = gelu_tanh_u<C>(x);
+      const chunks::ChunkValue<C> u =
+          C(ops::kSqrt2OverPi) * (x + C(ops::kGeluCoeff) * x * x * x);
       const chunks::ChunkValue<C> s = stable_sigmoid<C>(C(2) * u);
       chunks::store(out.ptr<T>() + i0, x * s);
     });
@@ -191,7 +180,8 @@ void gelu_tanh_backward(const StridedView& out, const StridedView& in, const Str
       const chunks::ChunkValue<C> x2 = x * x;
       const chunks::ChunkValue<C> u = C(ops::kSqrt2OverPi) * (x + C(ops::kGeluCoeff) * x2 * x);
       const chunks::ChunkValue<C> s = stable_sigmoid<C>(C(2) * u);
-      const chunks::ChunkValue<C> du = C(ops::kSqrt2OverPi) * (C(1) + C(3.0 * ops::kGeluCoeff) * x2);
+      const chunks::ChunkValue<C> du =
+          C(ops::kSqrt2OverPi) * (C(1) + C(3.0 * ops::kGeluCoeff) * x2);
       chunks::store(out.ptr<T>() + i0, dy * (s + C(2) * x * s * (C(1) - s) * du));
     });
   });

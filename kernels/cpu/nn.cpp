@@ -5,13 +5,6 @@
 // sum runs in that type, and the chunk sums of a row add up in f64.
 // All outputs are overwritten, the backward ones included, except layer norm's parameter
 // gradients, which are added into their buffers.
-//
-// GCC 12 reports the AVX-512 intrinsics that Eigen's vectorized double exp inlines here as using
-// an uninitialized value (their deliberately undefined pass-through operand) when -march=native
-// offers AVX-512; the warning is about the compiler's own headers, so it is off for this file.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
 #include "kernels/nn.h"
 
 #include <Eigen/Core>

@@ -197,27 +197,32 @@ __global__ void __launch_bounds__(kColumnThreads)
   }
 }
 
-// out[c] = the chunk partials of column c added in chunk order.
+// The chunk partials of column `col` added in chunk order.
+template <class R>
+__device__ __forceinline__ typename R::Acc column_total(const typename R::Acc* partials,
+                                                        std::int64_t chunks, std::int64_t cols,
+                                                        std::int64_t col) {
+  typename R::Acc acc = partials[col];
+#pragma unroll 8
+  for (std::int64_t s = 1; s < chunks; ++s) acc = R::combine(acc, partials[s * cols + col]);
+  return acc;
+}
+
+// out[c] = column c's total.
 template <class R>
 __global__ void sum_columns_final(void* out, const typename R::Acc* partials, std::int64_t chunks,
                                   std::int64_t cols) {
-  for (std::int64_t col = global_thread(); col < cols; col += grid_threads()) {
-    typename R::Acc acc = partials[col];
-#pragma unroll 8
-    for (std::int64_t s = 1; s < chunks; ++s) acc = R::combine(acc, partials[s * cols + col]);
-    R::write(out, col, acc);
-  }
+  for (std::int64_t col = global_thread(); col < cols; col += grid_threads())
+    R::write(out, col, column_total<R>(partials, chunks, cols, col));
 }
 
-// dst[c] += w * (the chunk partials of column c added in chunk order), as add_weighted.
-template <class D>
-__global__ void add_column_sums_final(D* dst, const double* partials, std::int64_t chunks,
+// dst[c] += w * column c's total, as add_weighted.
+template <class R, class D>
+__global__ void add_column_sums_final(D* dst, const typename R::Acc* partials, std::int64_t chunks,
                                       std::int64_t cols, compute_t<D> w) {
   for (std::int64_t col = global_thread(); col < cols; col += grid_threads()) {
-    double acc = partials[col];
-#pragma unroll 8
-    for (std::int64_t s = 1; s < chunks; ++s) acc += partials[s * cols + col];
-    dst[col] = add_weighted(dst[col], static_cast<compute_t<D>>(acc), w);
+    const auto total = static_cast<compute_t<D>>(column_total<R>(partials, chunks, cols, col));
+    dst[col] = add_weighted(dst[col], total, w);
   }
 }
 
@@ -304,11 +309,12 @@ void add_column_sums(const StridedView& dst, const StridedView& in, double weigh
   const std::int64_t rows = in.shape[0], cols = in.shape[1];
   if (cols == 0) return;
   dispatch_float(in.dtype, "add_column_sums", [&]<class T>() {
-    const std::int64_t chunks =
-        column_partials<SumFloat<T>, T>(in, in.strides[0], rows, cols, partials);
+    using R = SumFloat<T>;
+    const std::int64_t chunks = column_partials<R, T>(in, in.strides[0], rows, cols, partials);
     dispatch_float(dst.dtype, "add_column_sums", [&]<class D>() {
-      add_column_sums_final<D><<<grid_for(cols, kThreads), kThreads, 0, current_stream()>>>(
-          dst.ptr<D>(), partials.ptr<double>(), chunks, cols, static_cast<compute_t<D>>(weight));
+      add_column_sums_final<R, D><<<grid_for(cols, kThreads), kThreads, 0, current_stream()>>>(
+          dst.ptr<D>(), partials.ptr<typename R::Acc>(), chunks, cols,
+          static_cast<compute_t<D>>(weight));
       MB_CUDA_CHECK_LAUNCH("add_column_sums_final");
     });
   });
