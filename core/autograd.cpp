@@ -15,8 +15,26 @@ namespace microbatch {
 namespace {
 thread_local bool t_grad_mode = true;
 thread_local double t_grad_weight = 1.0;
-// The leaves whose gradients the innermost grad() call on this thread captures (null: none).
-thread_local const std::unordered_set<TensorImpl*>* t_captured = nullptr;
+// The leaves whose gradients a running grad() call captures, with where it stores them, and the
+// frame of the grad() call it runs inside (a checkpointed segment's backward runs inside the
+// backward that reached it): a leaf captured by any of them is captured, by the innermost one
+// that asks for it. Note [Captures through checkpoints].
+struct CaptureFrame {
+  const std::unordered_map<TensorImpl*, std::size_t>* index;
+  std::vector<Tensor>* captured;
+  const CaptureFrame* outer;
+};
+// The innermost capture on this thread (null: none).
+thread_local const CaptureFrame* t_capture = nullptr;
+
+// The slot in which a running grad() call captures t's gradient, or null.
+Tensor* capture_slot(const TensorImpl* t) {
+  for (const CaptureFrame* f = t_capture; f != nullptr; f = f->outer) {
+    auto it = f->index->find(const_cast<TensorImpl*>(t));
+    if (it != f->index->end()) return &(*f->captured)[it->second];
+  }
+  return nullptr;
+}
 // Whether the innermost backward running on this thread keeps its graph (retain_graph).
 thread_local bool t_retaining_graph = false;
 std::atomic<std::uint64_t> g_sequence{0};
@@ -146,7 +164,7 @@ void record(const char* op, const std::vector<Tensor>& inputs, Tensor& out,
 
 bool accumulates_in_place(const Tensor& t) {
   if (!t.defined() || !t.requires_grad() || !t.is_leaf() || !t.grad().defined()) return false;
-  return t_captured == nullptr || t_captured->count(t.impl()) == 0;
+  return capture_slot(t.impl()) == nullptr;
 }
 
 Tensor grad_leaf(const Tensor& t) {
@@ -258,20 +276,21 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
     }
   }
 
+  // Note [Captures through checkpoints]: a grad() call captures its inputs' gradients wherever
+  // they reach a sink, in this execute or in one it starts (a checkpointed segment's backward is a
+  // grad() call of its own, run by a node of this graph, and the parameters inside the segment
+  // reach their sinks there). Every frame of the chain is searched; the innermost that asks for a
+  // leaf gets it, undone by the guard. Captured leaves are never written in place either.
   std::unordered_map<TensorImpl*, std::size_t> capture_index;
-  std::unordered_set<TensorImpl*> capture_set;
-  const std::unordered_set<TensorImpl*>* outer_capture = t_captured;
+  CaptureFrame frame{&capture_index, captured, t_capture};
   struct RestoreCapture {
-    const std::unordered_set<TensorImpl*>* previous;
-    ~RestoreCapture() { t_captured = previous; }
-  } restore{outer_capture};
+    const CaptureFrame* previous;
+    ~RestoreCapture() { t_capture = previous; }
+  } restore{t_capture};
   if (capture) {
-    for (std::size_t i = 0; i < capture->size(); ++i) {
-      capture_index[(*capture)[i].impl()] = i;
-      capture_set.insert((*capture)[i].impl());
-    }
+    for (std::size_t i = 0; i < capture->size(); ++i) capture_index[(*capture)[i].impl()] = i;
     captured->assign(capture->size(), Tensor());
-    t_captured = &capture_set;
+    t_capture = &frame;
   }
 
   std::priority_queue<Node*, std::vector<Node*>, NodeOrder> ready;
@@ -290,12 +309,11 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
     buffers.erase(node);
     grads.resize(node->num_outputs());
 
-    if (capture) {
+    if (t_capture != nullptr) {
       if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
         auto leaf = acc->leaf();
-        auto it = leaf ? capture_index.find(leaf.get()) : capture_index.end();
-        if (it != capture_index.end()) {
-          add_into((*captured)[it->second], grads[0]);
+        if (Tensor* slot = leaf ? capture_slot(leaf.get()) : nullptr; slot != nullptr) {
+          add_into(*slot, grads[0]);
           continue;
         }
       }

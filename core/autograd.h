@@ -171,8 +171,9 @@ void check_inplace(const Tensor& t, const char* op);
 void run_backward(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                   BackwardOptions options = {});
 
-/// Gradients of roots with respect to `inputs` (leaves), returned instead of accumulated;
-/// other leaves reached still accumulate. Undefined where an input is not reached.
+/// Gradients of roots with respect to `inputs` (leaves), returned instead of accumulated (also
+/// where an input is used inside a checkpointed segment); other leaves reached still accumulate.
+/// Undefined where an input is not reached.
 std::vector<Tensor> grad(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
                          const std::vector<Tensor>& inputs, BackwardOptions options = {});
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -111,6 +112,12 @@ Tensor stack(const std::vector<Tensor>& tensors, std::int64_t dim = 0);
 std::vector<Tensor> split(const Tensor& a, std::int64_t split_size, std::int64_t dim = 0);
 std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& sizes,
                           std::int64_t dim = 0);
+/// A braced list is sizes, as torch.split(a, [n]), even with one element: without this overload
+/// split(a, {n}) would take {n} as a split_size.
+inline std::vector<Tensor> split(const Tensor& a, std::initializer_list<std::int64_t> sizes,
+                                 std::int64_t dim = 0) {
+  return split(a, std::vector<std::int64_t>(sizes), dim);
+}
 /// torch.chunk: `chunks` pieces of ceil(size / chunks) along dim (fewer when they run out).
 std::vector<Tensor> chunk(const Tensor& a, std::int64_t chunks, std::int64_t dim = 0);
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "kernels/view.h"
 
@@ -79,6 +80,11 @@ void set_gemm_bias_epilogue(bool on);
 /// back to separate passes): tests check that the epilogues are taken where they should be.
 enum class LtCall { bias, gelu, dgelu };
 std::int64_t lt_epilogue_calls(LtCall kind);
+
+/// Why cuBLASLt last declined a call that then took the separate passes (its status or "no
+/// algorithm", the epilogue, shape, leading dimensions and alignments), or "" when none has: the
+/// tests print it when an epilogue they expected did not run. Other cuBLASLt failures are errors.
+std::string lt_last_refusal();
 }  // namespace cuda
 
 }  // namespace microbatch::kernels

@@ -125,11 +125,11 @@ Tensor embedding(const Tensor& weight, const Tensor& indices) {
       [&] { kernels::cuda::gather(out_rows, weight.kview(), index_rows, 0); });
 
   record("embedding", {weight}, out,
-         [si = SavedTensor(flat, "embedding"), sw = SavedTensor(weight, "embedding"),
-          weight_shape = weight.shape(), rows, dtype = weight.dtype()](const Tensor& g) {
+         [si = SavedTensor(flat, "embedding"), wl = grad_leaf(weight), weight_shape = weight.shape(),
+          rows, dtype = weight.dtype()](const Tensor& g) {
            Tensor idx = si.get();
            const kernels::StridedView index = broadcast_index(idx, rows, 0);
-           if (Tensor grad = in_place_grad(sw.get()); grad.defined()) {
+           if (Tensor grad = in_place_grad(wl); grad.defined()) {
              scatter_add_into("embedding", grad, g.reshape(rows), index, 0, grad_weight());
              grad.bump_version();
              return std::vector<Tensor>{Tensor()};

@@ -136,6 +136,15 @@ struct LtChoice {
   cublasLtMatmulAlgo_t algo{};
 };
 
+// One line on a call cuBLASLt declined, for lt_last_refusal.
+std::string describe_refusal(const char* why, const LtKey& k) {
+  return MB_FORMAT("{}: epilogue {}, {}, D^T ({} x {}) = op{}(B) @ op{}(A) over k {}, ld b {} a {} c {} "
+                   "aux {}, alignments b {} a {} c {} bias {} aux {}",
+                   why, k.epilogue, dtype_name(k.dtype), k.n, k.m, k.op_b == CUBLAS_OP_N ? "N" : "T",
+                   k.op_a == CUBLAS_OP_N ? "N" : "T", k.k, k.ldb, k.lda, k.ldc, k.ld_aux, k.align_b,
+                   k.align_a, k.align_c, k.align_bias, k.align_aux);
+}
+
 std::mutex g_lt_mutex;
 std::map<LtKey, LtChoice>& lt_algos() {
   static auto* algos = new std::map<LtKey, LtChoice>();
@@ -171,6 +180,8 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
 
 // cuBLASLt calls done, by epilogue (lt_epilogue_calls).
 std::atomic<std::int64_t> g_lt_bias{0}, g_lt_gelu{0}, g_lt_dgelu{0};
+// Why cuBLASLt last declined a call (lt_last_refusal); guarded by g_lt_mutex.
+std::string g_lt_refusal;
 
 // Whether the bias epilogue is wanted: on unless MB_CUBLASLT_EPILOGUE is "0" (read once).
 bool& epilogue_wanted() {
@@ -238,6 +249,11 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
       c_batch_stride, static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT));
 }
 
+std::string lt_last_refusal() {
+  std::lock_guard lock(g_lt_mutex);
+  return g_lt_refusal;
+}
+
 std::int64_t lt_epilogue_calls(LtCall kind) {
   switch (kind) {
     case LtCall::bias: return g_lt_bias.load();
@@ -279,7 +295,16 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
   const bool lt_vectors = (e.bias == nullptr || n == 1 || alignment_of(e.bias) >= 16) &&
                           (e.aux == nullptr || (alignment_of(e.aux) >= 16 && e.aux_ld % 8 == 0 &&
                                                 e.aux_ld >= n));
-  if (!epilogue_wanted() || !lt_types || !lt_layout || !lt_vectors) return false;
+  if (!epilogue_wanted()) return false;
+  if (!lt_types || !lt_layout || !lt_vectors) {
+    std::lock_guard lock(g_lt_mutex);
+    g_lt_refusal = MB_FORMAT("not offered to cuBLASLt: types {}, layout {}, bias and aux {}; c {}",
+                             lt_types ? "ok" : "not one of f32, f16, bf16",
+                             lt_layout ? "ok" : "not 2-d row-major c within int range",
+                             lt_vectors ? "ok" : "under-aligned or aux ld not a multiple of 8",
+                             describe(c));
+    return false;
+  }
 
   // D^T (N, M) = op(B) (N, K) @ op(A) (K, M), the epilogue over D^T's rows (Note [Row-major GEMM
   // on cuBLAS]): cuBLASLt's first operand is b, its second a.
@@ -349,6 +374,10 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
       } else {
         MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
                  "[gemm] cublasLtMatmulAlgoGetHeuristic failed: {}", cublas_status_name(status));
+        g_lt_refusal = describe_refusal(status == CUBLAS_STATUS_SUCCESS && found > 0
+                                            ? cublas_status_name(result.state)
+                                            : "no algorithm",
+                                        key);
       }
       lt_algos().emplace(key, choice);
     }
@@ -365,9 +394,15 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
         .fetch_add(1, std::memory_order_relaxed);
     return true;
   }
-  // Refused after all: this shape takes the other way from now on (c is overwritten by it).
+  // Refused after all (the configuration, not the device): this shape takes the other way from now
+  // on, and c is overwritten by it. Any other status is a failure that must not pass unseen.
+  MB_CHECK(status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE ||
+               status == CUBLAS_STATUS_ARCH_MISMATCH,
+           "[gemm] cublasLtMatmul failed: {}",
+           describe_refusal(cublas_status_name(status), key));
   std::lock_guard lock(g_lt_mutex);
   lt_algos()[key].ok = false;
+  g_lt_refusal = describe_refusal(cublas_status_name(status), key);
   return false;
 }
 

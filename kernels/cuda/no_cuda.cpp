@@ -78,6 +78,7 @@ void gemm_dgelu(const StridedView&, const StridedView&, const StridedView&, cons
 }
 bool gemm_bias_epilogue() { return false; }  // no device, no epilogue
 std::int64_t lt_epilogue_calls(LtCall) { return 0; }
+std::string lt_last_refusal() { return {}; }
 void set_gemm_bias_epilogue(bool) {}
 void im2col(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::im2col"); }
 void col2im(const StridedView&, const StridedView&, const Window2d&) { no_cuda("cuda::col2im"); }

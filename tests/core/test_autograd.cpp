@@ -339,7 +339,7 @@ TEST_CASE("checkpoint gives the plain gradients, parameters captured inside incl
   const std::vector<Tensor> got = {x.grad(), w1.grad(), b1.grad(), w2.grad(), b2.grad()};
   const char* names[] = {"dx", "dw1", "db1", "dw2", "db2"};
   for (int i = 0; i < 5; ++i) {
-    REQUIRE_MESSAGE(got[i].defined(), names[i] << " missing");
+    REQUIRE_MESSAGE(got[i].defined(), std::string(names[i]) << " missing");
     check_close(got[i], expected[i], 1e-12, 1e-14, names[i]);
   }
 
@@ -352,6 +352,33 @@ TEST_CASE("checkpoint gives the plain gradients, parameters captured inside incl
   }
   check_close(w1.grad(), expected[1] * 0.5, 1e-12, 1e-14, "dw1 at w = 1/2");
   check_close(x.grad(), expected[0] * 0.5, 1e-12, 1e-14, "dx at w = 1/2");
+}
+
+TEST_CASE("grad() captures parameters used inside a checkpointed segment") {
+  // The segment's backward is a grad() call of its own; the outer call's inputs reached in there
+  // are still the outer call's to return, and their .grad stays untouched, in-place paths too.
+  Tensor x = input({4, 3}, -1, 1, 31);
+  Tensor w1 = input({5, 3}, -1, 1, 32), b1 = input({5}, -1, 1, 33);
+  Tensor w2 = input({2, 5}, -1, 1, 34), b2 = input({2}, -1, 1, 35);
+  auto layer1 = [&](const Tensor& h) { return tanh(linear(h, w1, b1)); };
+  auto layer2 = [&](const Tensor& h) { return sigmoid(linear(h, w2, b2)); };
+  Tensor y = layer2(layer1(x));
+  const std::vector<Tensor> expected = grad({sum(y * y)}, {Tensor()}, {w1, b1, x});
+  clear_grads({x, w1, b1, w2, b2});
+  // Gradient buffers on every parameter: linear would add into them in place if allowed.
+  for (Tensor* t : {&w1, &b1, &w2, &b2}) t->set_grad(zeros(t->shape(), {.dtype = DType::f64}));
+
+  Tensor yc = checkpoint(layer2, checkpoint(layer1, x));
+  const std::vector<Tensor> got = grad({sum(yc * yc)}, {Tensor()}, {w1, b1, x});
+  const char* names[] = {"dw1", "db1", "dx"};
+  for (int i = 0; i < 3; ++i) {
+    REQUIRE_MESSAGE(got[i].defined(), std::string(names[i]) << " not returned");
+    check_close(got[i], expected[i], 1e-12, 1e-14, names[i]);
+  }
+  CHECK(w1.grad().to_vector() == std::vector<double>(15, 0.0));
+  CHECK(b1.grad().to_vector() == std::vector<double>(5, 0.0));
+  // Parameters not asked for still accumulate, inside the segment as outside.
+  CHECK(max(abs(w2.grad())).item() > 0.0);
 }
 
 TEST_CASE("checkpoint with several inputs and outputs") {

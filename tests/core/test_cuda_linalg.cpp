@@ -556,6 +556,7 @@ MB_CUDA_TEST_CASE("cuda gelu_mlp: 16-bit MLPs take cuBLASLt's bias, GELU and DGE
   for (Tensor& t : p) t = t.detach().to(gpu).requires_grad_(true);
   sum(gelu_mlp(p[0], p[1], p[2], p[3], p[4])).backward();
   if (kernels::cuda::gemm_bias_epilogue()) {
+    INFO("cuBLASLt's last refusal: ", kernels::cuda::lt_last_refusal());
     CHECK(lt_epilogue_calls(LtCall::gelu) > gelu_calls);
     CHECK(lt_epilogue_calls(LtCall::bias) > bias);
     CHECK(lt_epilogue_calls(LtCall::dgelu) > dgelu);

@@ -62,6 +62,27 @@ TEST_CASE("embedding: backward adds one gradient row per use of a row") {
               "gradient rows summed per index");
 }
 
+TEST_CASE("embedding: backward needs no weight values, so parameters may change in place first") {
+  // Parameters are views of one arena, and versions count per storage: a change to a neighbour
+  // between forward and backward must not fail the embedding's backward (it saves only indices).
+  Tensor arena = input({5 * 2 + 3});
+  Tensor w, other;
+  {
+    NoGradGuard no_grad;
+    w = arena.detach().slice(0, 0, 10).view({5, 2});
+    other = arena.detach().slice(0, 10, 13);
+  }
+  w.requires_grad_(true);
+  w.set_grad(zeros({5, 2}, {.dtype = DType::f64}));  // the in-place path
+  Tensor out = embedding(w, i64({4, 4, 1}, {3}));
+  {
+    NoGradGuard no_grad;
+    other.fill_(2.0);  // an optimizer step on another parameter, say
+  }
+  out.backward(ones({3, 2}, {.dtype = DType::f64}));
+  check_close(w.grad(), {0, 0, 1, 1, 0, 0, 0, 0, 2, 2}, 0, 0, "rows 1 and 4");
+}
+
 TEST_CASE("embedding: gradcheck with repeated indices, contiguous and not") {
   Tensor w = input({6, 4}, -1, 1, 3);
   const std::vector<double> idx{5, 1, 5, 0, 1, 5};

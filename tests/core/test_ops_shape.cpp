@@ -157,6 +157,9 @@ TEST_CASE("split and chunk: the pieces torch gives, as views of the input") {
   CHECK(q[1].shape() == Shape{2, 0});
   check_close(q[2], {1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13}, 0, 0, "sizes 1, 0, 6");
   CHECK(split(a, 2, 0).size() == 1);  // one piece of the whole dim
+  // A braced list is sizes, even of one element: {7} is the whole dim, not pieces of 7.
+  CHECK(split(a, {7}, 1).size() == 1);
+  CHECK(split(a, {2, 5}, 1)[1].shape() == Shape{2, 5});
   // chunk: pieces of ceil(n / chunks), fewer when they run out (6 over 4 chunks gives 3 of 2).
   CHECK(chunk(iota({6}), 4).size() == 3);
   std::vector<Tensor> c = chunk(iota({5}), 3);
@@ -193,6 +196,8 @@ TEST_CASE("split and chunk errors name the op and the sizes") {
                     "[split] split sizes add up to 6 but dim 1 of (2, 7) has size 7");
   check_throws_with([&] { split(a, std::vector<std::int64_t>{8, -1}, 1); },
                     "[split] split sizes must be non-negative, got -1");
+  check_throws_with([&] { split(a, {3}, 1); },
+                    "[split] split sizes add up to 3 but dim 1 of (2, 7) has size 7");
   check_throws_with([&] { split(a, 0, 1); }, "[split] split_size must be positive, got 0");
   check_throws_with([&] { split(a, 2, 2); }, "[split] dim 2 out of range");
   check_throws_with([&] { chunk(a, 0, 1); }, "[chunk] chunks must be positive, got 0");
