@@ -5,13 +5,15 @@ Reads, from DIR (the files scripts/gpu_check.sh writes; a missing one is reporte
   kernels.json        bench_kernels_cuda        torch_kernels.json   benchmarks/torch_kernels.py
   gpt2.json           bench_gpt2_cuda           torch_gpt2.json      benchmarks/torch_gpt2.py
   planner.json        benchmarks/planner_cuda.sh
+  attention.json      bench_attention_cuda      torch_attention.json benchmarks/torch_attention.py
 
 Targets (memory-bound kernels, as a fraction of the device's copy bandwidth, Note [Bytes moved] in
 benchmarks/kernels_cuda.cpp): accumulate >= 0.90, AdamW >= 0.85, gradient norm >= 0.80, softmax +
 cross-entropy forward and backward >= 0.80; and each kernel must agree with the CPU reference.
 GPT-2: both runs start from the same weights and tokens, so their first losses must agree within
-0.02 (bf16 rounding); speed and memory are reported as ratios, without a target. Planner: the
-measured peak must stay within the budget.
+0.02 (bf16 rounding), and a run that failed fails; speed and memory are reported as ratios,
+without a target. Planner: the measured peak must stay within the budget. Attention (ours /
+PyTorch SDPA time, and how far our two kernels are apart) has no target: it changes no outcome.
 
   python3 benchmarks/compare.py DIR [--json PATH]      exit status 1 when a target or a check fails
 """
@@ -81,7 +83,16 @@ def compare_gpt2(ours, torch_, summary):
     print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours tok/s':>12}{'torch tok/s':>12}{'tok/s ratio':>12}"
           f"{'ours MiB':>10}{'torch MiB':>11}{'mem ratio':>10}{'loss[0] ours':>14}{'torch':>9}{'max |dloss|':>12}  result")
     ok = True
-    for r in ours["runs"]:
+    if ours.get("error"):
+        print(f"  failed before any run: {ours['error']}")
+        summary["gpt2"]["error"] = ours["error"]
+        ok = False
+    for r in ours.get("runs", []):
+        if r.get("error"):
+            print(f"  {r['batch']:>5}  failed: {r['error']}")
+            summary["gpt2"][str(r["batch"])] = dict(result="failed", error=r["error"])
+            ok = False
+            continue
         t = theirs.get(r["batch"], {})
         loss_ok = None
         max_diff = None
@@ -104,6 +115,65 @@ def compare_gpt2(ours, torch_, summary):
             memory_ratio=mem_ratio, first_loss_ours=r["losses"][0], first_loss_torch=(t.get("losses") or [None])[0],
             max_loss_difference=max_diff, result=result)
     return ok
+
+
+def attention_figures(j):
+    return {key: j.get(key) for key in ("forward_ms", "forward_backward_ms", "forward_tflops",
+                                        "forward_backward_tflops")}
+
+
+def compare_attention(ours, torch_, summary):
+    shape = ours.get("shape")
+    print(f"\nCausal attention {tuple(shape or ())} bf16 on {ours.get('device')}: ms lower is "
+          "better, TFLOP/s higher is better; time ratio ours/PyTorch SDPA (lower is better)")
+    theirs = torch_ or {}
+    if theirs and theirs.get("shape") != shape:
+        print(f"  (PyTorch ran {tuple(theirs.get('shape') or ())}: no ratios)")
+        theirs = {}
+    print(f"  {'kernel':<24}{'fwd ms':>9}{'TFLOP/s':>9}{'ours/torch':>11}"
+          f"{'fwd+bwd ms':>12}{'TFLOP/s':>9}{'ours/torch':>11}")
+    out = {}
+    # A file from before there were two kernels names none.
+    ours_label = "ours, tensor cores" if ours.get("kernel") == "tensor" else "ours"
+    for label, key, j in [(ours_label, "ours", ours),
+                          ("ours, f32 math (simt)", "simt", ours.get("simt")),
+                          ("PyTorch SDPA", "torch", torch_)]:
+        if j is None:
+            continue
+        if j.get("error"):
+            print(f"  {label:<24}failed: {j['error']}")
+            out[key] = dict(error=j["error"])
+            continue
+        f = attention_figures(j)
+        out[key] = f
+        fwd_ratio = fb_ratio = None
+        if key != "torch":
+            fwd_ratio = ratio(f["forward_ms"], theirs.get("forward_ms"))
+            fb_ratio = ratio(f["forward_backward_ms"], theirs.get("forward_backward_ms"))
+            f.update(forward_time_ratio_ours_over_torch=fwd_ratio,
+                     forward_backward_time_ratio_ours_over_torch=fb_ratio)
+        print(f"  {label:<24}{fmt(f['forward_ms'], '.3f'):>9}{fmt(f['forward_tflops'], '.1f'):>9}"
+              f"{fmt(fwd_ratio, '.3f'):>11}{fmt(f['forward_backward_ms'], '.3f'):>12}"
+              f"{fmt(f['forward_backward_tflops'], '.1f'):>9}{fmt(fb_ratio, '.3f'):>11}")
+    agreement = ours.get("tensor_vs_simt")
+    if agreement is not None:
+        tolerance = ours.get("tensor_vs_simt_tolerance")
+        out["tensor_vs_simt"] = dict(agreement, tolerance=tolerance)
+        if agreement.get("error"):
+            print(f"  tensor cores vs simt: the comparison failed: {agreement['error']}")
+        else:
+            # The benchmark writes a difference that is not finite (a kernel's NaNs) as null.
+            order = ["out", "dq", "dk", "dv"]  # the JSON's keys come sorted
+            names = sorted(agreement, key=lambda n: order.index(n) if n in order else len(order))
+            parts = ", ".join(f"{n} {fmt(agreement[n], '.2e')}" if agreement[n] is not None
+                              else f"{n} not finite" for n in names)
+            verdict = ""
+            if tolerance is not None:
+                within = all(v is not None and v <= tolerance for v in agreement.values())
+                verdict = f"; {'within' if within else 'OUTSIDE'} the tolerance {tolerance:g}"
+            print(f"  tensor cores vs simt, largest difference of the largest value: {parts}"
+                  f"{verdict}")
+    summary["attention"] = out
 
 
 def compare_planner(planner, summary):
@@ -132,7 +202,7 @@ def main():
     p.add_argument("dir")
     p.add_argument("--json", default="")
     a = p.parse_args()
-    summary = {"kernels": {}, "gpt2": {}, "planner": {}}
+    summary = {"kernels": {}, "gpt2": {}, "planner": {}, "attention": {}}
     ok = True
     found = False
     ours = load(a.dir, "kernels.json")
@@ -147,6 +217,10 @@ def main():
     if planner:
         found = True
         ok = compare_planner(planner, summary) and ok
+    # No target: neither `ok` nor `found` (an attention run alone has nothing to pass).
+    ours = load(a.dir, "attention.json")
+    if ours:
+        compare_attention(ours, load(a.dir, "torch_attention.json"), summary)
     summary["pass"] = ok and found
     print("\n" + ("all targets and checks pass" if summary["pass"] else
                   "no results to compare" if not found else "some targets or checks FAIL"))

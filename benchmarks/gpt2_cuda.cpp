@@ -6,7 +6,8 @@
 // step, for each B in --batch; the batch is drawn once per B (seeded uniform tokens) and reused.
 //
 //   bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps 10] [--warmup 3]
-//                   [--device cuda|cpu] [--tiny] [--profile] [--profile-steps 3] [--profile-out PATH]
+//                   [--device cuda|cpu] [--tiny] [--profile] [--profile-steps 3]
+//                   [--profile-out PATH]
 //
 // It writes the initial weights to DIR/gpt2_init.safetensors (with the model's shape in the
 // metadata) and each batch to DIR/gpt2_tokens.safetensors ("tokens_b8": (8, 1025) i64, ...), so
@@ -26,6 +27,12 @@
 // already taken, with the op profiler on (core/profiler.h), and prints the table: calls and self
 // time per op, forward and backward, on the host and on the stream. --profile-out also writes the
 // tables to PATH; --json gets them as "profile" in each run.
+//
+// A batch size whose run throws (out of memory at B = 16, say) is recorded in the JSON as
+// {"batch", "error"}, its failed profiled steps as that run's "profile_error" beside its figures,
+// and the other batch sizes still run; the JSON and --profile-out are rewritten after every run, so
+// that figures once measured survive a later failure or a time box. The exit status is then 1;
+// 2 for arguments it cannot use.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -33,7 +40,9 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/bench_util.h"
@@ -57,7 +66,9 @@ mb::nn::GPTConfig gpt2_small() {
   return {.vocab_size = 50257, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
 }
 
-mb::nn::GPTConfig tiny() { return {.vocab_size = 512, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64}; }
+mb::nn::GPTConfig tiny() {
+  return {.vocab_size = 512, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64};
+}
 
 std::vector<std::int64_t> parse_list(const std::string& text) {
   std::vector<std::int64_t> out;
@@ -65,11 +76,13 @@ std::vector<std::int64_t> parse_list(const std::string& text) {
   std::string item;
   while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
   MB_CHECK(!out.empty(), "[bench_gpt2_cuda] --batch needs sizes such as 8,16");
+  for (std::int64_t b : out) MB_CHECK(b >= 1, "[bench_gpt2_cuda] --batch {}: sizes are >= 1", b);
   return out;
 }
 
 // (B, T + 1) uniform token ids in [0, vocab), from a seeded generator.
-Tensor synthetic_tokens(std::int64_t batch, std::int64_t t, std::int64_t vocab, std::uint64_t seed) {
+Tensor synthetic_tokens(std::int64_t batch, std::int64_t t, std::int64_t vocab,
+                        std::uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::uniform_int_distribution<std::int64_t> pick(0, vocab - 1);
   std::vector<double> ids(static_cast<std::size_t>(batch * (t + 1)));
@@ -88,13 +101,45 @@ const char* attention_kernel_name(mb::Device dev) {
 
 struct Run {
   std::int64_t batch = 0;
+  std::string error;  // why the run stopped; a failed run records nothing else
   mb::bench::Timing step;
   std::vector<double> losses;  // every step's loss, warm-up included
   std::vector<double> grad_norms;
   double wall_ms = 0.0;  // the timed steps' span on the stream, per step
   std::int64_t peak_allocated = 0, peak_reserved = 0;
-  nlohmann::json profile;  // ProfileReport::to_json() of the profiled steps, with "steps"; null without
+  nlohmann::json profile;  // ProfileReport::to_json() of the profiled steps, and "steps"; or null
+  std::string profile_error;  // why the profiled steps stopped; the figures above stand
 };
+
+double tokens_per_s(const Run& r, std::int64_t t) {
+  return static_cast<double>(r.batch * t) / (r.step.median_ms * 1e-3);
+}
+
+// One entry of the JSON's "runs": {"batch", "error"} for a run that failed.
+nlohmann::json run_json(const Run& r, std::int64_t t) {
+  if (!r.error.empty()) return {{"batch", r.batch}, {"error", r.error}};
+  nlohmann::json j = {{"batch", r.batch},
+                      {"seq_len", t},
+                      {"tokens_per_step", r.batch * t},
+                      {"step_ms_median", r.step.median_ms},
+                      {"step_ms_min", r.step.min_ms},
+                      {"step_ms_max", r.step.max_ms},
+                      {"steps_timed", r.step.reps},
+                      {"step_ms_mean_span", r.wall_ms},
+                      {"tokens_per_s", tokens_per_s(r, t)},
+                      {"peak_allocated_bytes", r.peak_allocated},
+                      {"peak_reserved_bytes", r.peak_reserved},
+                      {"losses", r.losses},
+                      {"grad_norms", r.grad_norms}};
+  if (!r.profile.is_null()) j["profile"] = r.profile;
+  if (!r.profile_error.empty()) j["profile_error"] = r.profile_error;
+  return j;
+}
+
+constexpr const char* kUsage =
+    "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] [--warmup N]\n"
+    "                       [--device cuda|cpu] [--tiny] [--profile] [--profile-steps N] "
+    "[--profile-out PATH]\n";
 
 }  // namespace
 
@@ -102,179 +147,241 @@ int main(int argc, char** argv) {
   mb::bench::Args args(argc, argv);
   const std::string json_path = args.get("--json", "");
   const std::string out_dir = args.get("--out-dir", ".");
-  const std::vector<std::int64_t> batches = parse_list(args.get("--batch", "8,16"));
-  const int steps = static_cast<int>(args.get_int("--steps", 10));
-  const int warmup = static_cast<int>(args.get_int("--warmup", 3));
   const std::string device_arg = args.get("--device", "cuda");
   const bool small = args.flag("--tiny");
   const std::string profile_out = args.get("--profile-out", "");
-  const bool profile = args.flag("--profile") || !profile_out.empty() || mb::profiler::requested_by_env();
-  const int profile_steps = static_cast<int>(args.get_int("--profile-steps", 3));
+  const bool profile =
+      args.flag("--profile") || !profile_out.empty() || mb::profiler::requested_by_env();
+  std::vector<std::int64_t> batches;
+  int steps = 0, warmup = 0, profile_steps = 0;
+  mb::Device dev = mb::kCPU;
+  try {
+    batches = parse_list(args.get("--batch", "8,16"));
+    steps = static_cast<int>(args.get_int("--steps", 10));
+    warmup = static_cast<int>(args.get_int("--warmup", 3));
+    profile_steps = static_cast<int>(args.get_int("--profile-steps", 3));
+    dev = mb::parse_device(device_arg);
+  } catch (const std::logic_error& e) {  // std::stoll's; its message names only itself
+    std::fprintf(stderr,
+                 "bench_gpt2_cuda: --batch, --steps, --warmup and --profile-steps take whole "
+                 "numbers (%s)\n%s",
+                 e.what(), kUsage);
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpt2_cuda: %s\n%s", e.what(), kUsage);
+    return 2;
+  }
   if (steps < 1 || warmup < 0 || profile_steps < 1) {
-    std::fprintf(stderr, "bench_gpt2_cuda: --steps and --profile-steps must be >= 1 and --warmup >= 0\n");
+    std::fprintf(stderr,
+                 "bench_gpt2_cuda: --steps and --profile-steps must be >= 1 and --warmup >= 0\n");
     return 2;
   }
   if (!args.unknown().empty()) {
-    std::fprintf(stderr, "bench_gpt2_cuda: unknown argument '%s'\n"
-                         "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] "
-                         "[--warmup N] [--device cuda|cpu] [--tiny] [--profile] [--profile-steps N] [--profile-out PATH]\n",
-                 args.unknown().c_str());
+    std::fprintf(stderr, "bench_gpt2_cuda: unknown argument '%s'\n%s", args.unknown().c_str(),
+                 kUsage);
     return 2;
   }
-  try {
-    const mb::Device dev = mb::parse_device(device_arg);
-    if (dev.is_cuda() && !mb::cuda_available()) {
-      std::fprintf(stderr, "bench_gpt2_cuda: no CUDA device here; nothing to measure "
-                           "(--device cpu --tiny runs the program's logic on the CPU)\n");
-      return 2;
+  if (dev.is_cuda() && !mb::cuda_available()) {
+    std::fprintf(stderr,
+                 "bench_gpt2_cuda: no CUDA device here; nothing to measure "
+                 "(--device cpu --tiny runs the program's logic on the CPU)\n");
+    return 2;
+  }
+  const mb::nn::GPTConfig config = small ? tiny() : gpt2_small();
+  const std::int64_t T = config.block_size;
+
+  // Whatever fails from here on, the JSON and --profile-out are written with what was measured: a
+  // failure before the runs is the JSON's "error", a run's failure that run's "error" (the other
+  // batch sizes still run), and the exit status is 1.
+  nlohmann::json report = {
+      {"benchmark", "gpt2"},
+      {"implementation", "microbatch"},
+      {"device", device_arg},
+      {"model", small ? "tiny" : "gpt2_small"},
+      {"precision", "bf16 weights and activations, f32 master weights and gradients"},
+      {"optimizer",
+       "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0"},
+      {"attention", attention_kernel_name(dev)},
+      {"batches", batches},
+      {"warmup", warmup},
+      {"runs", nlohmann::json::array()}};
+  std::vector<Run> runs;
+  std::string profile_tables;  // each batch size's table, or why it has none
+  bool failed = false;
+  // Rewritten after every run, so that a later run's crash or the check's time box does not take
+  // the figures of the earlier ones with it.
+  auto write_outputs = [&] {
+    report["runs"] = nlohmann::json::array();
+    for (const Run& r : runs) report["runs"].push_back(run_json(r, T));
+    try {
+      mb::bench::write_json(json_path, report);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
+      failed = true;
     }
-    const mb::nn::GPTConfig config = small ? tiny() : gpt2_small();
-    const std::int64_t T = config.block_size;
+    if (profile_out.empty()) return;
+    std::ofstream out(profile_out);
+    out << profile_tables;
+    if (!out.good()) {
+      std::fprintf(stderr, "bench_gpt2_cuda: could not write %s\n", profile_out.c_str());
+      failed = true;
+    }
+  };
+
+  try {
+    report["device"] = mb::bench::device_name(dev);
     std::filesystem::create_directories(out_dir);
 
     // The model, built and initialized on the CPU (GPT-2's init), then its weights exported.
     mb::manual_seed(42);
     mb::nn::GPT model(config);
     const std::int64_t n_params = model.num_parameters();
+    report["parameters"] = n_params;
     const mb::nn::StateDict initial = model.state_dict();
-    const std::string weights_path = (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
+    const std::string weights_path =
+        (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
     mb::save_safetensors(weights_path, initial,
                          {{"vocab_size", std::to_string(config.vocab_size)},
                           {"block_size", std::to_string(config.block_size)},
                           {"n_layer", std::to_string(config.n_layer)},
                           {"n_head", std::to_string(config.n_head)},
                           {"n_embd", std::to_string(config.n_embd)}});
-    std::printf("GPT-2 %s: %lld parameters on %s; initial weights in %s\n", small ? "tiny" : "small",
-                static_cast<long long>(n_params), mb::bench::device_name(dev).c_str(), weights_path.c_str());
+    report["weights"] = weights_path;
+    std::printf("GPT-2 %s: %lld parameters on %s; initial weights in %s\n",
+                small ? "tiny" : "small", static_cast<long long>(n_params),
+                mb::bench::device_name(dev).c_str(), weights_path.c_str());
 
     mb::NamedTensorMap tokens;
     for (std::int64_t b : batches)
-      tokens["tokens_b" + std::to_string(b)] = synthetic_tokens(b, T, config.vocab_size, 1000 + static_cast<std::uint64_t>(b));
-    const std::string tokens_path = (std::filesystem::path(out_dir) / "gpt2_tokens.safetensors").string();
+      tokens["tokens_b" + std::to_string(b)] =
+          synthetic_tokens(b, T, config.vocab_size, 1000 + static_cast<std::uint64_t>(b));
+    const std::string tokens_path =
+        (std::filesystem::path(out_dir) / "gpt2_tokens.safetensors").string();
     mb::save_safetensors(tokens_path, tokens);
+    report["tokens"] = tokens_path;
 
     model.to(dev);
     mb::optim::ParamStore store(model, {.compute_dtype = DType::bf16});
     const mb::optim::AdamWConfig adamw_config{.lr = 6e-4, .weight_decay = 0.1};
     const double max_grad_norm = 1.0;
 
-    std::vector<Run> runs;
-    std::string profile_tables;
     for (std::int64_t B : batches) {
-      // Every batch size starts from the same weights, fresh moments and an empty cache.
-      store.load_master_state(initial);
-      store.zero_grad();
-      mb::empty_cache(dev);
-      mb::reset_peak_memory_stats(dev);
-      mb::optim::AdamW adamw(store, adamw_config);
-      const Tensor& batch = tokens.at("tokens_b" + std::to_string(B));
-      const Tensor inputs = batch.slice(1, 0, T).contiguous().to(dev);      // (B, T)
-      const Tensor labels = batch.slice(1, 1, T + 1).contiguous().to(dev);  // (B, T)
-
-      mb::optim::LRScheduler schedule(adamw, {.type = mb::optim::ScheduleType::Constant});
-      mb::optim::BoundaryStep boundary(store, adamw, schedule, nullptr, {.max_grad_norm = max_grad_norm});
-
-      // As the Trainer runs: nothing waits for the device inside a step; the boundary step's
-      // outcome (the norm) is read one step later, the losses at the end.
       Run run{.batch = B};
-      mb::bench::RepTimer timer(dev);
-      std::vector<std::pair<int, int>> marks;
-      std::vector<Tensor> losses;  // () each, on the device
-      for (int i = 0; i < warmup + steps; ++i) {
-        const int a = timer.mark();
+      try {
+        // Every batch size starts from the same weights, fresh moments and an empty cache.
+        store.load_master_state(initial);
         store.zero_grad();
-        Tensor loss = model(inputs, labels).loss;
-        loss.backward();
-        for (const mb::optim::StepOutcome& o : boundary.step(i + 1, mb::optim::Settle::Later))
-          run.grad_norms.push_back(o.grad_norm);
-        marks.emplace_back(a, timer.mark());
-        losses.push_back(loss.detach());
-      }
-      for (const mb::optim::StepOutcome& o : boundary.settle()) run.grad_norms.push_back(o.grad_norm);
-      std::vector<double> ms;
-      for (std::size_t i = 0; i < marks.size(); ++i) {
-        const double ms_step = timer.ms(marks[i].first, marks[i].second);
-        if (i >= static_cast<std::size_t>(warmup)) ms.push_back(ms_step);
-        run.losses.push_back(losses[i].item());
-        const double norm = i < run.grad_norms.size() ? run.grad_norms[i] : std::nan("");
-        std::printf("  B=%lld step %2zu: loss %.4f, grad norm %.3f, %.1f ms%s\n", static_cast<long long>(B), i,
-                    run.losses.back(), norm, ms_step, i < static_cast<std::size_t>(warmup) ? " (warm-up)" : "");
-      }
-      run.wall_ms = timer.ms(marks[static_cast<std::size_t>(warmup)].first, marks.back().second) / steps;
-      run.step = mb::bench::summarize(ms);
-      const mb::MemoryStats stats = mb::memory_stats(dev);
-      run.peak_allocated = stats.allocated.peak;
-      run.peak_reserved = stats.reserved.peak;
+        mb::empty_cache(dev);
+        mb::reset_peak_memory_stats(dev);
+        mb::optim::AdamW adamw(store, adamw_config);
+        const Tensor& batch = tokens.at("tokens_b" + std::to_string(B));
+        const Tensor inputs = batch.slice(1, 0, T).contiguous().to(dev);      // (B, T)
+        const Tensor labels = batch.slice(1, 1, T + 1).contiguous().to(dev);  // (B, T)
 
-      if (profile) {
-        // The same steps as above, after the timed ones, with the profiler on; the profiler's
-        // events and its final wait touch none of the figures above.
-        mb::bench::device_sync(dev);
-        mb::profiler::start();
-        for (int i = 0; i < profile_steps; ++i) {
+        mb::optim::LRScheduler schedule(adamw, {.type = mb::optim::ScheduleType::Constant});
+        mb::optim::BoundaryStep boundary(store, adamw, schedule, nullptr,
+                                         {.max_grad_norm = max_grad_norm});
+
+        // As the Trainer runs: nothing waits for the device inside a step; the boundary step's
+        // outcome (the norm) is read one step later, the losses at the end.
+        mb::bench::RepTimer timer(dev);
+        std::vector<std::pair<int, int>> marks;
+        std::vector<Tensor> losses;  // () each, on the device
+        for (int i = 0; i < warmup + steps; ++i) {
+          const int a = timer.mark();
           store.zero_grad();
           Tensor loss = model(inputs, labels).loss;
           loss.backward();
-          (void)boundary.step(warmup + steps + i + 1, mb::optim::Settle::Later);
+          for (const mb::optim::StepOutcome& o : boundary.step(i + 1, mb::optim::Settle::Later))
+            run.grad_norms.push_back(o.grad_norm);
+          marks.emplace_back(a, timer.mark());
+          losses.push_back(loss.detach());
         }
-        mb::profiler::stop();  // waits for the device
-        const mb::profiler::ProfileReport report = mb::profiler::report();
-        (void)boundary.settle();
-        const std::string table =
-            fmt::format("\nB={}: time per op over {} profiled steps ({:.1f} ms of wall clock per step)\n{}",
-                        B, profile_steps, report.span_ms / profile_steps, report.table());
-        std::printf("%s", table.c_str());
-        profile_tables += table;
-        run.profile = report.to_json();
-        run.profile["steps"] = profile_steps;
-      }
-      runs.push_back(run);
-    }
+        for (const mb::optim::StepOutcome& o : boundary.settle())
+          run.grad_norms.push_back(o.grad_norm);
+        std::vector<double> ms;
+        for (std::size_t i = 0; i < marks.size(); ++i) {
+          const double ms_step = timer.ms(marks[i].first, marks[i].second);
+          if (i >= static_cast<std::size_t>(warmup)) ms.push_back(ms_step);
+          run.losses.push_back(losses[i].item());
+          const double norm = i < run.grad_norms.size() ? run.grad_norms[i] : std::nan("");
+          std::printf("  B=%lld step %2zu: loss %.4f, grad norm %.3f, %.1f ms%s\n",
+                      static_cast<long long>(B), i, run.losses.back(), norm, ms_step,
+                      i < static_cast<std::size_t>(warmup) ? " (warm-up)" : "");
+        }
+        run.wall_ms =
+            timer.ms(marks[static_cast<std::size_t>(warmup)].first, marks.back().second) / steps;
+        run.step = mb::bench::summarize(ms);
+        const mb::MemoryStats stats = mb::memory_stats(dev);
+        run.peak_allocated = stats.allocated.peak;
+        run.peak_reserved = stats.reserved.peak;
 
-    nlohmann::json results = nlohmann::json::array();
-    std::printf("\n%6s %12s %12s %14s %14s %10s\n", "batch", "step ms", "tokens/s", "peak alloc", "peak reserved",
-                "last loss");
-    for (const Run& r : runs) {
-      const double tokens_per_s = static_cast<double>(r.batch * T) / (r.step.median_ms * 1e-3);
-      std::printf("%6lld %12.1f %12.0f %14s %14s %10.4f\n", static_cast<long long>(r.batch), r.step.median_ms,
-                  tokens_per_s, mb::format_bytes(r.peak_allocated).c_str(), mb::format_bytes(r.peak_reserved).c_str(),
-                  r.losses.back());
-      results.push_back({{"batch", r.batch},
-                         {"seq_len", T},
-                         {"tokens_per_step", r.batch * T},
-                         {"step_ms_median", r.step.median_ms},
-                         {"step_ms_min", r.step.min_ms},
-                         {"step_ms_max", r.step.max_ms},
-                         {"steps_timed", r.step.reps},
-                         {"step_ms_mean_span", r.wall_ms},
-                         {"tokens_per_s", tokens_per_s},
-                         {"peak_allocated_bytes", r.peak_allocated},
-                         {"peak_reserved_bytes", r.peak_reserved},
-                         {"losses", r.losses},
-                         {"grad_norms", r.grad_norms}});
-      if (!r.profile.is_null()) results.back()["profile"] = r.profile;
+        if (profile) {
+          // The same steps as above, after the timed ones, with the profiler on; the profiler's
+          // events and its final wait touch none of the figures above, which stand if these fail.
+          try {
+            mb::bench::device_sync(dev);
+            mb::profiler::start();
+            for (int i = 0; i < profile_steps; ++i) {
+              store.zero_grad();
+              Tensor loss = model(inputs, labels).loss;
+              loss.backward();
+              (void)boundary.step(warmup + steps + i + 1, mb::optim::Settle::Later);
+            }
+            mb::profiler::stop();  // waits for the device
+            const mb::profiler::ProfileReport profiled = mb::profiler::report();
+            (void)boundary.settle();
+            const std::string table = fmt::format(
+                "\nB={}: time per op over {} profiled steps ({:.1f} ms of wall clock per step)\n{}",
+                B, profile_steps, profiled.span_ms / profile_steps, profiled.table());
+            std::printf("%s", table.c_str());
+            profile_tables += table;
+            run.profile = profiled.to_json();
+            run.profile["steps"] = profile_steps;
+          } catch (const std::exception& e) {
+            // Recording left on would slow the next batch size's timed steps.
+            try {
+              mb::profiler::stop();
+            } catch (const std::exception&) {
+              // The device error that stop() met is the one reported below.
+            }
+            run.profile_error = e.what();
+            std::fprintf(stderr, "bench_gpt2_cuda: B=%lld: the profiled steps failed: %s\n",
+                         static_cast<long long>(B), e.what());
+            profile_tables += fmt::format("\nB={}: the profiled steps failed: {}\n", B, e.what());
+            failed = true;
+          }
+        }
+      } catch (const std::exception& e) {
+        run.error = e.what();
+        std::fprintf(stderr, "bench_gpt2_cuda: B=%lld failed: %s\n", static_cast<long long>(B),
+                     e.what());
+        if (profile)
+          profile_tables += fmt::format("\nB={}: not profiled, the run failed: {}\n", B, e.what());
+        failed = true;
+      }
+      runs.push_back(std::move(run));
+      write_outputs();
     }
-    if (!profile_out.empty()) {
-      std::ofstream out(profile_out);
-      out << profile_tables;
-      MB_CHECK(out.good(), "[bench_gpt2_cuda] could not write {}", profile_out);
-    }
-    mb::bench::write_json(json_path, {{"benchmark", "gpt2"},
-                                      {"implementation", "microbatch"},
-                                      {"device", mb::bench::device_name(dev)},
-                                      {"model", small ? "tiny" : "gpt2_small"},
-                                      {"parameters", n_params},
-                                      {"precision", "bf16 weights and activations, f32 master weights and gradients"},
-                                      {"optimizer", "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 "
-                                                    "on matrices; clip 1.0"},
-                                      {"attention", attention_kernel_name(dev)},
-                                      {"weights", weights_path},
-                                      {"tokens", tokens_path},
-                                      {"warmup", warmup},
-                                      {"runs", results}});
-    return 0;
   } catch (const std::exception& e) {
+    report["error"] = e.what();
     std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
-    return 1;
+    if (profile) profile_tables += fmt::format("\nnot profiled: {}\n", e.what());
+    failed = true;
   }
+
+  if (!runs.empty())
+    std::printf("\n%6s %12s %12s %14s %14s %10s\n", "batch", "step ms", "tokens/s", "peak alloc",
+                "peak reserved", "last loss");
+  for (const Run& r : runs) {
+    if (!r.error.empty()) {
+      std::printf("%6lld   failed: %s\n", static_cast<long long>(r.batch), r.error.c_str());
+      continue;
+    }
+    std::printf("%6lld %12.1f %12.0f %14s %14s %10.4f\n", static_cast<long long>(r.batch),
+                r.step.median_ms, tokens_per_s(r, T), mb::format_bytes(r.peak_allocated).c_str(),
+                mb::format_bytes(r.peak_reserved).c_str(), r.losses.back());
+  }
+  write_outputs();
+  return failed ? 1 : 0;
 }

@@ -11,7 +11,7 @@
 # batch in sequences, default 16), MB_PLANNER_SECONDS (time for all the runs, default
 # MB_STAGE_SECONDS, which scripts/gpu_check.sh sets, else 300): each run gets an equal share of what
 # is left when it starts, and a run that is stopped still reports the steps it logged.
-# Each budget's run keeps its output in OUTDIR/planner_<budget>/ (stdout.log, log.jsonl).
+# Each budget's run keeps its output in OUTDIR/planner_<budget>/ (stdout.log, log.jsonl, status).
 # Exit status 1 when a run failed or measured more than its budget.
 set -uo pipefail
 
@@ -45,6 +45,7 @@ for budget in "${BUDGETS[@]}"; do
     --logging-steps 1 --eval-strategy no --save-strategy no --output-dir "$dir" --json \
     >"$dir/stdout.log" 2>&1
   echo "$? $(($(date +%s) - start))" >"$dir/status"
+  rm -f "$dir/model.safetensors"  # the final model the Trainer saves: 500 MB nobody reads here
   tail -n 3 "$dir/stdout.log"
 done
 

@@ -5,28 +5,32 @@
 #   scripts/bundle_deps.sh deps          beforehand, where the Debian -dev packages are installed
 #   scripts/gpu_check.sh OUTDIR
 #
-# Stages, in order (each one time-boxed with `timeout`):
+# Stages, in order (each one time-boxed with `timeout`); the figures that matter most come first,
+# so that a stage that hangs costs the less important ones:
 #   configure      a build folder with -DMB_DEPS_DIR=deps -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON
 #                  -DMB_NATIVE=OFF; cuDNN from the CUDA folder, else from the pip package next to
 #                  PyTorch (CUDNN_ROOT), else none (the im2col convolutions serve)
-#   build          the library, the command, both test suites and the benchmarks, on every core
-#   tests_core     the doctest suites; their CUDA cases run here (doctest's counts are recorded)
-#   tests_train
-#   sanitizer      compute-sanitizer memcheck on a short training run of a tiny GPT on cuda:0
-#   bench_kernels  benchmarks/kernels_cuda.cpp          -> OUTDIR/kernels.json
-#   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
+#   build          the library, the command, the benchmarks and both test suites, on every core,
+#                  keeping going past a target that fails: each later stage needs only its own
+#                  program, built in this run
 #   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json
-#   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
 #   profile_gpt2   benchmarks/gpt2_cuda.cpp --profile: time per op of GPT-2 small steps (B = 8)
 #                                                       -> OUTDIR/gpt2_profile.txt (the table), .json
 #   bench_attention benchmarks/attention_cuda.cpp: both kernels, and how far apart -> OUTDIR/attention.json
+#   bench_kernels  benchmarks/kernels_cuda.cpp          -> OUTDIR/kernels.json
+#   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
 #   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
+#   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
+#   tests_core     the doctest suites; their CUDA cases run here (doctest's counts are recorded)
+#   tests_train
+#   sanitizer      compute-sanitizer memcheck on a short training run of a tiny GPT on cuda:0
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
 #
 # It writes OUTDIR/gpu_check.log (everything each stage printed, under a header per stage) and
 # OUTDIR/results.json (stage -> status pass | fail | timeout | skip, seconds, figures, message),
-# rewritten after every stage. A failing stage does not stop the others. The script stops starting
+# rewritten after every stage (a stage in flight shows as "running"). A failing stage does not
+# stop the others. The script stops starting
 # stages when its deadline is near, so that it ends within MB_GPU_CHECK_SECONDS (default 480).
 # On a machine without a GPU the GPU stages are skipped, saying so.
 # Exit status: 1 when a stage failed or timed out; 2 when none did but some were not started for
@@ -43,6 +47,11 @@
 #   MB_CUDA               ON (default); OFF builds without the CUDA backend (to try this script on
 #                         a machine without nvcc: the GPU stages are then skipped)
 #   PYTHON                the Python that has PyTorch (default python3)
+#   MB_GPU_CHECK_BUNDLE   a .tar.gz path: after every stage, OUTDIR (less any .safetensors) packed
+#                         into it, so that one file carries the whole result even when the run is
+#                         cut short
+# OUTDIR holds only small files: the 500 MB of GPT-2 weights the benchmarks exchange stay in the
+# build folder.
 set -uo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -60,7 +69,14 @@ CUDA="${MB_CUDA:-ON}"
 PYTHON="${PYTHON:-python3}"
 SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
 BOX_SCALE="${MB_GPU_CHECK_BOX_SCALE:-1}"
-STAGES="${MB_GPU_CHECK_STAGES:-configure build tests_core tests_train sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 profile_gpt2 bench_attention torch_attention planner compare}"
+ALL_STAGES="configure build bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels tests_core tests_train sanitizer planner compare"
+STAGES="${MB_GPU_CHECK_STAGES:-$ALL_STAGES}"
+BUNDLE="${MB_GPU_CHECK_BUNDLE:-}"
+[[ -n "$BUNDLE" ]] && BUNDLE="$(realpath -m "$BUNDLE")"
+# Output as it happens, so that a stage killed at its time box still shows how far it got.
+export PYTHONUNBUFFERED=1
+LINEBUF=()
+command -v stdbuf >/dev/null 2>&1 && LINEBUF=(stdbuf -oL -eL)
 RESERVE=10  # seconds kept for writing the results at the end
 START=$(date +%s)
 DEADLINE=$((START + SECONDS_TOTAL))
@@ -69,8 +85,16 @@ TABLE="$OUT/stages.tsv"  # name, status, seconds, message: one line per stage ru
 mkdir -p "$OUT/stages"
 : >"$LOG"
 : >"$TABLE"
-rm -f "$OUT"/{kernels,torch_kernels,gpt2,torch_gpt2,gpt2_profile,attention,torch_attention,planner,compare}.json
-rm -f "$OUT/gpt2_profile.txt"
+# A stage's earlier outputs go when it is to run again (only then: a run of some stages compares
+# against the others' results from before).
+declare -A OUTPUTS=([bench_gpt2]="gpt2.json" [profile_gpt2]="gpt2_profile.json gpt2_profile.txt"
+                    [bench_attention]="attention.json" [bench_kernels]="kernels.json"
+                    [torch_gpt2]="torch_gpt2.json" [torch_attention]="torch_attention.json"
+                    [torch_kernels]="torch_kernels.json" [planner]="planner.json" [compare]="compare.json")
+for stage in $STAGES; do
+  rm -f "$OUT/stages/$stage.log"
+  for f in ${OUTPUTS[$stage]:-}; do rm -f "$OUT/$f"; done
+done
 
 say() { echo "[gpu_check] $*" | tee -a "$LOG"; }
 tsv_field() { printf '%s' "$1" | tr '\t\n' '  '; }
@@ -144,9 +168,13 @@ def figures(name):
         j = load("gpt2.json" if name == "bench_gpt2" else "torch_gpt2.json")
         if not j:
             return {}
-        return {f"batch_{r['batch']}": {key: r.get(key) for key in ("step_ms_median", "tokens_per_s",
-                                                                   "peak_allocated_bytes", "peak_reserved_bytes")}
-                for r in j.get("runs", [])}
+        fig = {f"batch_{r['batch']}": {key: r[key] for key in ("step_ms_median", "tokens_per_s",
+                                                              "peak_allocated_bytes", "peak_reserved_bytes",
+                                                              "error", "profile_error") if key in r}
+               for r in j.get("runs", [])}
+        if "error" in j:
+            fig["error"] = j["error"]
+        return fig
     if name == "profile_gpt2":
         runs = (load("gpt2_profile.json") or {}).get("runs", [])
         p = runs[0].get("profile") if runs else None
@@ -158,8 +186,9 @@ def figures(name):
         return fig
     if name in ("bench_attention", "torch_attention"):
         j = load("attention.json" if name == "bench_attention" else "torch_attention.json")
-        return {key: j.get(key) for key in ("kernel", "forward_ms", "forward_backward_ms", "forward_tflops",
-                                            "forward_backward_tflops", "tensor_vs_simt", "simt")} if j else {}
+        return {key: j[key] for key in ("kernel", "forward_ms", "forward_backward_ms", "forward_tflops",
+                                        "forward_backward_tflops", "tensor_vs_simt", "simt", "error")
+                if key in j} if j else {}
     if name == "planner":
         j = load("planner.json")
         return {r["budget"]: {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",
@@ -171,12 +200,14 @@ def figures(name):
     return {}
 
 stages = {}
-for line in open(table):
+for line in open(table):  # the last line of a stage wins ("running", then how it ended)
     parts = line.rstrip("\n").split("\t")
     if len(parts) < 4:
         continue
     name, status, seconds, message = parts[:4]
-    stages[name] = {"status": status, "seconds": float(seconds), "figures": figures(name), "message": message}
+    stages[name] = {"status": status, "seconds": float(seconds),
+                    "figures": figures(name) if status in ("pass", "fail", "timeout") else {},
+                    "message": message}
 result = {"machine": {"gpu": gpu or None, "nvcc": nvcc or None, "torch": torch or None, "cuda_backend": cuda,
                       "cudnn": cudnn or None},
           "seconds": round(time.time() - float(start), 1), "stages": stages}
@@ -184,6 +215,9 @@ with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(result, f, indent=2)
 EOF
     echo "[gpu_check] could not write results.json with $PYTHON" >&2
+  if [[ -n "$BUNDLE" ]]; then
+    tar -czf "$BUNDLE.part" -C "$OUT" --exclude='*.safetensors' . 2>/dev/null && mv -f "$BUNDLE.part" "$BUNDLE"
+  fi
 }
 
 # Runs one stage: NAME BOX MIN COMMAND...; BOX is its time box in seconds, MIN the least time worth
@@ -204,9 +238,10 @@ run_stage() {
   fi
   local limit=$((box < left ? box : left))
   say "---- $name (time box ${limit}s): $*"
+  record "$name" running 0 "started $(date -u +%T), time box ${limit}s"
   local t0 t1 rc
   t0=$(date +%s.%N)
-  MB_STAGE_SECONDS="$limit" timeout --kill-after=10 "$limit" "$@" >"$OUT/stages/$name.log" 2>&1
+  MB_STAGE_SECONDS="$limit" timeout --kill-after=10 "$limit" "${LINEBUF[@]}" "$@" >"$OUT/stages/$name.log" 2>&1
   rc=$?
   t1=$(date +%s.%N)
   cat "$OUT/stages/$name.log" >>"$LOG"
@@ -218,12 +253,19 @@ run_stage() {
     message="killed after ${limit}s"
   elif ((rc != 0)); then
     status=fail
-    message="exit status $rc: $(grep -v '^\s*$' "$OUT/stages/$name.log" | tail -n 1 | cut -c1-300)"
+    # The first error line says more than the last line (a build's last line is a target that
+    # did build); else the last line.
+    local why
+    why="$(grep -m 1 -E '(^|[^a-z_])(error|Error|ERROR|FAILED)([^a-z_]|$)' "$OUT/stages/$name.log")"
+    [[ -z "$why" ]] && why="$(grep -v '^\s*$' "$OUT/stages/$name.log" | tail -n 1)"
+    message="exit status $rc: $(cut -c1-300 <<<"$why")"
   fi
   [[ $status != pass ]] && FAILED=1
   say "$name: $status in ${secs}s ($message)"
   if [[ $name == compare ]]; then
     cat "$OUT/stages/$name.log"  # the table is the point of the whole check
+  elif [[ $name == profile_gpt2 && -f "$OUT/gpt2_profile.txt" ]]; then
+    head -n 45 "$OUT/gpt2_profile.txt"  # where a step's time goes, on the console too
   elif [[ $status != pass ]]; then
     tail -n 25 "$OUT/stages/$name.log" | sed 's/^/    /'
   fi
@@ -292,101 +334,119 @@ else
   [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && BUILD_OK=1
 fi
 
-TARGETS=(microbatch_cli tests_core tests_train)
-[[ "$CUDA" == ON ]] && TARGETS+=(bench_kernels_cuda bench_gpt2_cuda bench_attention_cuda)
+# The command and benchmarks first, the test suites last; -k keeps going past a target that fails,
+# so the stages whose programs did build still run. Each program is deleted before the build, so one
+# that is there afterwards was built (or found up to date) by this run.
+TARGETS=(microbatch_cli)
+[[ "$CUDA" == ON ]] && TARGETS+=(bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda)
+TARGETS+=(tests_core tests_train)
+PROGRAMS=(microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
+built() { [[ -x "$BUILD_DIR/$1" ]]; }
 if ((BUILD_OK)) && wanted build; then
-  run_stage build 330 60 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}" || BUILD_OK=0
+  for p in "${PROGRAMS[@]}"; do rm -f "$BUILD_DIR/$p"; done
+  keep_going=(-k)
+  grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null && keep_going=(-k 0)
+  run_stage build 330 60 cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}" -- "${keep_going[@]}"
 elif wanted build; then
   skip_stage build "not configured"
 fi
-
-# ---- tests --------------------------------------------------------------------------------------
-for suite in tests_core tests_train; do
-  wanted "$suite" || continue
-  if ((BUILD_OK)) && [[ -x "$BUILD_DIR/$suite" ]]; then
-    box=$([[ $suite == tests_core ]] && echo 90 || echo 150)
-    # From the build folder, as CTest runs them.
-    run_stage "$suite" "$box" 15 bash -c "cd '$BUILD_DIR' && ./$suite"
-  else
-    skip_stage "$suite" "the build did not finish"
+# The stage NAME, when PROGRAM was built: true to run it, else it is recorded as skipped.
+ready() {  # name program
+  wanted "$1" || return 1
+  if ((!BUILD_OK)) || ! built "$2"; then
+    skip_stage "$1" "$2 was not built"
+    return 1
   fi
-done
+}
+need_torch() {  # name
+  [[ -n "$TORCH" ]] && return 0
+  skip_stage "$1" "PyTorch is not importable by $PYTHON"
+  return 1
+}
 
-# ---- GPU stages ---------------------------------------------------------------------------------
-GPU_STAGES="sanitizer bench_kernels torch_kernels bench_gpt2 torch_gpt2 profile_gpt2 bench_attention torch_attention planner compare"
+# ---- GPU stages, the figures first --------------------------------------------------------------
+GPU_STAGES="bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels sanitizer planner compare"
+GPU_OK=1
 if [[ -z "$GPU" || "$CUDA" != ON ]]; then
   reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
-  for s in $GPU_STAGES; do skip_stage "$s" "$reason"; done
-elif ((!BUILD_OK)); then
-  for s in $GPU_STAGES; do skip_stage "$s" "the build did not finish"; done
-else
-  CLI="$BUILD_DIR/microbatch"
-  if wanted sanitizer; then
-    if [[ -z "$SANITIZER" ]]; then
-      skip_stage sanitizer "compute-sanitizer not found"
-    else
-      # A tiny GPT for two optimizer steps on cuda:0. MB_ALLOCATOR_BYPASS=1 asks the allocator to
-      # return every block to cudaFree, so that memcheck sees each allocation's real bounds.
-      if "$CLI" train --help 2>/dev/null | grep -q -- "--dataset"; then
-        data=(--dataset synthetic --synthetic-size 16 --vocab-size 64)
-      else
-        data=(--data "$ROOT/README.md")
-      fi
-      run_stage sanitizer 90 30 env MB_ALLOCATOR_BYPASS=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
-        "$CLI" train --model gpt "${data[@]}" --device cuda --block-size 32 --n-layer 1 --n-head 2 --n-embd 32 \
-        --per-device-train-batch-size 4 --max-steps 2 --logging-steps 1 --eval-strategy no --save-strategy no \
-        --output-dir "$OUT/sanitizer_run"
-    fi
+  GPU_OK=0
+fi
+gpu_stage() {  # name: true when the GPU stage NAME is to run
+  wanted "$1" || return 1
+  ((GPU_OK)) && return 0
+  skip_stage "$1" "$reason"
+  return 1
+}
+# GPT-2's initial weights and tokens, which bench_gpt2 writes and torch_gpt2 reads (500 MB: kept out
+# of OUTDIR).
+GPT2_IO="$BUILD_DIR/gpt2_io"
+if gpu_stage bench_gpt2 && ready bench_gpt2 bench_gpt2_cuda; then
+  mkdir -p "$GPT2_IO"
+  run_stage bench_gpt2 90 45 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$GPT2_IO" --json "$OUT/gpt2.json"
+fi
+if gpu_stage profile_gpt2 && ready profile_gpt2 bench_gpt2_cuda; then
+  # A few steps after two timed ones, the profiler on; its own folder for the weights.
+  run_stage profile_gpt2 60 30 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$BUILD_DIR/profile_run" --batch 8 \
+    --warmup 2 --steps 2 --profile --profile-steps 3 --profile-out "$OUT/gpt2_profile.txt" \
+    --json "$OUT/gpt2_profile.json"
+  rm -rf "$BUILD_DIR/profile_run"
+fi
+gpu_stage bench_attention && ready bench_attention bench_attention_cuda &&
+  run_stage bench_attention 30 10 "$BUILD_DIR/bench_attention_cuda" --json "$OUT/attention.json"
+gpu_stage bench_kernels && ready bench_kernels bench_kernels_cuda &&
+  run_stage bench_kernels 60 30 "$BUILD_DIR/bench_kernels_cuda" --json "$OUT/kernels.json"
+if gpu_stage torch_gpt2 && need_torch torch_gpt2; then
+  if [[ ! -f "$GPT2_IO/gpt2_init.safetensors" ]]; then
+    skip_stage torch_gpt2 "no initial weights: bench_gpt2 did not write them"
+  else
+    run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$GPT2_IO/gpt2_init.safetensors" \
+      --tokens "$GPT2_IO/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
   fi
-  wanted bench_kernels && run_stage bench_kernels 60 30 "$BUILD_DIR/bench_kernels_cuda" --json "$OUT/kernels.json"
-  if wanted torch_kernels; then
-    if [[ -z "$TORCH" ]]; then
-      skip_stage torch_kernels "PyTorch is not importable by $PYTHON"
-    else
-      run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
-    fi
+fi
+rm -rf "$GPT2_IO"
+gpu_stage torch_attention && need_torch torch_attention &&
+  run_stage torch_attention 40 15 "$PYTHON" benchmarks/torch_attention.py --json "$OUT/torch_attention.json"
+gpu_stage torch_kernels && need_torch torch_kernels &&
+  run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
+
+# ---- tests (their CUDA cases run where there is a GPU) ------------------------------------------
+KEEP=75  # room for the planner's runs and the comparison, whatever a test suite does
+for suite in tests_core tests_train; do
+  if ready "$suite" "$suite"; then
+    # From the build folder, as CTest runs them.
+    run_stage "$suite" 90 15 bash -c "cd '$BUILD_DIR' && exec ./$suite"
   fi
-  wanted bench_gpt2 && run_stage bench_gpt2 90 45 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$OUT" --json "$OUT/gpt2.json"
-  if wanted torch_gpt2; then
-    if [[ -z "$TORCH" ]]; then
-      skip_stage torch_gpt2 "PyTorch is not importable by $PYTHON"
-    elif [[ ! -f "$OUT/gpt2_init.safetensors" ]]; then
-      skip_stage torch_gpt2 "no initial weights: bench_gpt2 did not write them"
-    else
-      run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$OUT/gpt2_init.safetensors" \
-        --tokens "$OUT/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
-    fi
+done
+KEEP=0
+
+if gpu_stage sanitizer && ready sanitizer microbatch; then
+  if [[ -z "$SANITIZER" ]]; then
+    skip_stage sanitizer "compute-sanitizer not found"
+  else
+    # A tiny GPT for two optimizer steps on cuda:0. MB_ALLOCATOR_BYPASS=1 asks the allocator to
+    # return every block to cudaFree, so that memcheck sees each allocation's real bounds.
+    run_stage sanitizer 90 30 env MB_ALLOCATOR_BYPASS=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
+      "$BUILD_DIR/microbatch" train --model gpt --dataset synthetic --synthetic-size 16 --vocab-size 64 \
+      --device cuda --block-size 32 --n-layer 1 --n-head 2 --n-embd 32 --per-device-train-batch-size 4 \
+      --max-steps 2 --logging-steps 1 --eval-strategy no --save-strategy no \
+      --output-dir "$BUILD_DIR/sanitizer_run"
+    rm -rf "$BUILD_DIR/sanitizer_run"
   fi
-  if wanted profile_gpt2; then
-    # A few steps after two timed ones, the profiler on; its own folder for the 500 MB of weights.
-    run_stage profile_gpt2 60 30 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$OUT/profile_run" --batch 8 --warmup 2 \
-      --steps 2 --profile --profile-steps 3 --profile-out "$OUT/gpt2_profile.txt" --json "$OUT/gpt2_profile.json"
-    rm -rf "$OUT/profile_run"
+fi
+KEEP=15  # for the comparison
+gpu_stage planner && ready planner microbatch &&
+  run_stage planner 150 60 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
+KEEP=0
+if gpu_stage compare; then
+  if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/planner.json" || -f "$OUT/attention.json" ]]; then
+    run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json"
+  else
+    skip_stage compare "no benchmark results to compare"
   fi
-  wanted bench_attention && run_stage bench_attention 30 10 "$BUILD_DIR/bench_attention_cuda" --json "$OUT/attention.json"
-  if wanted torch_attention; then
-    if [[ -z "$TORCH" ]]; then
-      skip_stage torch_attention "PyTorch is not importable by $PYTHON"
-    else
-      run_stage torch_attention 40 15 "$PYTHON" benchmarks/torch_attention.py --json "$OUT/torch_attention.json"
-    fi
-  fi
-  KEEP=15  # for the comparison
-  wanted planner && run_stage planner 150 60 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
-  KEEP=0
-  if wanted compare; then
-    if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/planner.json" ]]; then
-      run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json"
-    else
-      skip_stage compare "no benchmark results to compare"
-    fi
-  fi
-  # The safetensors files are large (500 MB of weights): keep only the JSON results.
-  rm -f "$OUT/gpt2_init.safetensors" "$OUT/gpt2_tokens.safetensors"
 fi
 
 write_results
-say "done in $(($(date +%s) - START))s: $(cut -f1,2 "$TABLE" | tr '\t\n' ': ' | sed 's/ $//')"
+say "done in $(($(date +%s) - START))s: $(awk -F'\t' '!($1 in s) { n[++k] = $1 } { s[$1] = $2 } END { for (i = 1; i <= k; ++i) printf "%s:%s ", n[i], s[n[i]] }' "$TABLE" | sed 's/ $//')"
 say "results: $OUT/results.json, log: $LOG"
 if ((FAILED)); then exit 1; fi
 if ((UNSTARTED)); then exit 2; fi
