@@ -67,12 +67,17 @@ def compare_kernels(ours, torch_, summary):
             result = "pass" if meets else "FAIL"
         ok = ok and k.get("checked", False) and meets
         time_ratio = ratio(k.get("median_ms"), t.get("median_ms"))
-        print(f"  {k['name']:<30}{k['median_ms']:>10.4f}{k['gb_per_s']:>9.1f}{k['ratio_to_copy']:>9.3f}"
+        print(f"  {k['name']:<30}{k['median_ms']:>10.4f}{k['gb_per_s']:>9.1f}{fmt(k.get('ratio_to_copy'), '.3f'):>9}"
               f"{fmt(target, '.2f'):>8}  {result:<8}{fmt(t.get('median_ms'), '.4f'):>10}"
               f"{fmt(t.get('ratio_to_copy'), '.3f'):>9}{fmt(time_ratio, '.3f'):>11}")
         summary["kernels"][k["name"]] = dict(ours_ms=k["median_ms"], ours_ratio_to_copy=k["ratio_to_copy"],
                                              target=target, result=result, torch_ms=t.get("median_ms"),
                                              time_ratio_ours_over_torch=time_ratio)
+    # A kernel whose run threw has no row above; its target counts as missed.
+    for e in ours.get("errors", []):
+        print(f"  {e['name']:<30}  failed: {e['error']}")
+        summary["kernels"][e["name"]] = dict(result="failed", error=e["error"])
+        ok = False
     return ok
 
 

@@ -86,16 +86,25 @@ struct ArrayAddress {
   std::size_t element_size = 1;
 };
 
-/// The split of n elements into packs of `pack` (16 / the narrowest element size): the head
-/// aligns `first` to 16 bytes; when that head leaves another array unaligned, all is scalar.
+/// The alignment an array's packs of `pack` elements need: the pack's own size up to 16 bytes (a
+/// pack is one 64-bit access or 128-bit ones, kernels/cuda/grad_stats.cuh).
+inline std::uintptr_t pack_alignment(std::int64_t pack, std::size_t element_size) {
+  const std::uintptr_t bytes = static_cast<std::uintptr_t>(pack) * element_size;
+  return bytes < 16 ? bytes : 16;
+}
+
+/// The split of n elements into packs of `pack` elements: the head aligns `first`'s packs
+/// (pack_alignment); when that head leaves another array's packs unaligned, all is scalar.
 inline PackSplit pack_split(std::int64_t n, std::int64_t pack, ArrayAddress first,
                             std::initializer_list<ArrayAddress> others = {}) {
   PackSplit split{.n = n, .head = n, .pack = pack};
   if (first.address % first.element_size != 0) return split;
-  const std::int64_t head = static_cast<std::int64_t>((16 - first.address % 16) % 16 / first.element_size);
+  const std::uintptr_t align = pack_alignment(pack, first.element_size);
+  const std::int64_t head = static_cast<std::int64_t>((align - first.address % align) % align / first.element_size);
   if (head >= n) return split;
   for (const ArrayAddress& a : others) {
-    if (a.address != 0 && (a.address + static_cast<std::uintptr_t>(head) * a.element_size) % 16 != 0) return split;
+    const std::uintptr_t start = a.address + static_cast<std::uintptr_t>(head) * a.element_size;
+    if (a.address != 0 && start % pack_alignment(pack, a.element_size) != 0) return split;
   }
   split.head = head;
   return split;

@@ -123,36 +123,45 @@ TEST_CASE("gated_grad_scale is the trainer's unscale and clip factor") {
   }
 }
 
-TEST_CASE("pack_split covers every element once and starts every pack 16-byte aligned in every array") {
-  struct Sizes {
+TEST_CASE("pack_split covers every element once and aligns every pack of every array") {
+  // A pack of an array is pack * element size bytes, aligned to that size up to 16 (a 64-bit or
+  // 128-bit access): f32 += bf16 in packs of 4 reads 16-byte f32 packs and 8-byte bf16 packs.
+  struct Case {
     std::size_t first, other;
+    std::int64_t pack;
   };
-  for (const Sizes sizes : {Sizes{4, 4}, Sizes{4, 2}, Sizes{8, 4}, Sizes{2, 2}, Sizes{8, 2}}) {
-    const std::int64_t pack = static_cast<std::int64_t>(16 / std::min(sizes.first, sizes.other));
+  const Case cases[] = {{4, 4, 4}, {4, 2, 8}, {8, 4, 4}, {2, 2, 8}, {8, 2, 8},
+                        {4, 2, 4}, {2, 4, 4}, {8, 4, 2}};
+  for (const Case c : cases) {
+    const std::uintptr_t first_align = std::min<std::uintptr_t>(16, c.pack * c.first);
+    const std::uintptr_t other_align = std::min<std::uintptr_t>(16, c.pack * c.other);
     for (std::int64_t n : {0, 1, 2, 7, 8, 9, 31, 33, 100}) {
-      for (std::uintptr_t first_offset = 0; first_offset < 16; first_offset += sizes.first) {
-        for (std::uintptr_t other_offset = 0; other_offset < 16; other_offset += sizes.other) {
-          const kernels::ArrayAddress first{4096 + first_offset, sizes.first};
-          const kernels::ArrayAddress other{8192 + other_offset, sizes.other};
-          const kernels::PackSplit split = kernels::pack_split(n, pack, first, {other});
+      for (std::uintptr_t first_offset = 0; first_offset < 16; first_offset += c.first) {
+        for (std::uintptr_t other_offset = 0; other_offset < 16; other_offset += c.other) {
+          const kernels::ArrayAddress first{4096 + first_offset, c.first};
+          const kernels::ArrayAddress other{8192 + other_offset, c.other};
+          const kernels::PackSplit split = kernels::pack_split(n, c.pack, first, {other});
           std::vector<int> seen(static_cast<std::size_t>(n), 0);
           for (std::int64_t p = 0; p < split.packs(); ++p) {
             const std::int64_t start = split.pack_start(p);
-            REQUIRE(start + pack <= n);
-            CHECK((first.address + static_cast<std::uintptr_t>(start) * first.element_size) % 16 == 0);
-            CHECK((other.address + static_cast<std::uintptr_t>(start) * other.element_size) % 16 == 0);
-            for (std::int64_t e = 0; e < pack; ++e) ++seen[static_cast<std::size_t>(start + e)];
+            REQUIRE(start + c.pack <= n);
+            CHECK((first.address + static_cast<std::uintptr_t>(start) * c.first) % first_align == 0);
+            CHECK((other.address + static_cast<std::uintptr_t>(start) * c.other) % other_align == 0);
+            for (std::int64_t e = 0; e < c.pack; ++e) ++seen[static_cast<std::size_t>(start + e)];
           }
           for (std::int64_t j = 0; j < split.scalar_count(); ++j) {
             const std::int64_t i = split.scalar_index(j);
             REQUIRE((i >= 0 && i < n));
             ++seen[static_cast<std::size_t>(i)];
           }
-          CHECK(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }));
-          CHECK((split.head < pack || split.head == n));
-          // Arrays that one head can align both get packs once n leaves room for one.
-          const bool shareable = (16 - first_offset) % 16 / sizes.first * sizes.other % 16 == (16 - other_offset) % 16;
-          if (shareable && n >= split.head + pack) CHECK(split.packs() > 0);
+          CHECK(std::all_of(seen.begin(), seen.end(), [](int k) { return k == 1; }));
+          CHECK((split.head < c.pack || split.head == n));
+          // Arrays that one head can align both get packs once n leaves room for one: the head
+          // that aligns the first array, and the other array aligned after it.
+          const std::uintptr_t head = (first_align - first_offset % first_align) % first_align / c.first;
+          const bool shareable = (other_offset + head * c.other) % other_align == 0;
+          if (shareable && n >= static_cast<std::int64_t>(head) + c.pack) CHECK(split.packs() > 0);
+          if (!shareable) CHECK(split.head == n);
         }
       }
     }
@@ -161,6 +170,9 @@ TEST_CASE("pack_split covers every element once and starts every pack 16-byte al
   CHECK(kernels::pack_split(100, 4, {4100, 4}).head == 3);
   CHECK(kernels::pack_split(100, 4, {4100, 4}, {{0, 2}}).head == 3);
   CHECK(kernels::pack_split(100, 4, {4102, 4}).head == 100);  // not even element-aligned
+  // f32 += bf16: a bf16 array 8 bytes off a 16-byte boundary still takes packs (of 8 bytes).
+  CHECK(kernels::pack_split(100, 4, {4096, 4}, {{8200, 2}}).head == 0);
+  CHECK(kernels::pack_split(100, 4, {4096, 4}, {{8196, 2}}).head == 100);
 }
 
 TEST_CASE("the loss-scale rule on a bare state walks with DynamicLossScaler") {
