@@ -23,7 +23,7 @@
 #   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
 #   tests_core     the doctest suites; their CUDA cases run here (doctest's counts are recorded)
 #   tests_train
-#   sanitizer      compute-sanitizer memcheck on a short training run of a tiny GPT on cuda:0
+#   sanitizer      compute-sanitizer memcheck on short training runs of tiny GPTs on cuda:0 (f32, bf16)
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
 #
@@ -153,8 +153,8 @@ def figures(name):
     if name.startswith("tests_"):
         return doctest_counts(text)
     if name == "sanitizer":
-        m = re.search(r"ERROR SUMMARY: (\d+) error", text)
-        return {"errors": int(m.group(1))} if m else {}
+        m = [int(x) for x in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        return {"runs": len(m), "errors": sum(m)} if m else {}
     if name in ("bench_kernels", "torch_kernels"):
         j = load("kernels.json" if name == "bench_kernels" else "torch_kernels.json")
         if not j:
@@ -423,14 +423,22 @@ if gpu_stage sanitizer && ready sanitizer microbatch; then
   if [[ -z "$SANITIZER" ]]; then
     skip_stage sanitizer "compute-sanitizer not found"
   else
-    # A tiny GPT for two optimizer steps on cuda:0. MB_ALLOCATOR_BYPASS=1 asks the allocator to
-    # return every block to cudaFree, so that memcheck sees each allocation's real bounds.
-    run_stage sanitizer 90 30 env MB_ALLOCATOR_BYPASS=1 "$SANITIZER" --tool memcheck --error-exitcode 1 \
-      "$BUILD_DIR/microbatch" train --model gpt --dataset synthetic --synthetic-size 16 --vocab-size 64 \
-      --device cuda --block-size 32 --n-layer 1 --n-head 2 --n-embd 32 --per-device-train-batch-size 4 \
-      --max-steps 2 --logging-steps 1 --eval-strategy no --save-strategy no \
-      --output-dir "$BUILD_DIR/sanitizer_run"
-    rm -rf "$BUILD_DIR/sanitizer_run"
+    # Tiny GPTs for two optimizer steps on cuda:0: in f32 (head size 16), and in bf16 with head
+    # size 64 (the tensor-core attention, GPT-2's shape), 80 positions (a partial key tile) and a
+    # vocabulary of 61 (logits on padded rows, the cuBLASLt epilogues). MB_ALLOCATOR_BYPASS=1 asks
+    # the allocator to return every block to cudaFree, so that memcheck sees each allocation's
+    # real bounds.
+    run_stage sanitizer 90 30 bash -c '
+      sanitizer="$1" cli="$2" dir="$3/sanitizer_run"
+      for model in "--n-embd 32 --n-head 2 --block-size 32 --vocab-size 64" \
+                   "--n-embd 128 --n-head 2 --block-size 80 --vocab-size 61 --bf16"; do
+        echo "== memcheck: $model"
+        MB_ALLOCATOR_BYPASS=1 "$sanitizer" --tool memcheck --error-exitcode 1 "$cli" train --model gpt \
+          --dataset synthetic --synthetic-size 16 $model --device cuda --n-layer 1 \
+          --per-device-train-batch-size 4 --max-steps 2 --logging-steps 1 --eval-strategy no \
+          --save-strategy no --output-dir "$dir" || exit 1
+        rm -rf "$dir"
+      done' sanitizer "$SANITIZER" "$BUILD_DIR/microbatch" "$BUILD_DIR"
   fi
 fi
 KEEP=15  # for the comparison
