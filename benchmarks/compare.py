@@ -15,12 +15,17 @@ GPT-2: both runs start from the same weights and tokens, so their first losses m
 without a target. Planner: the measured peak must stay within the budget. Attention (ours /
 PyTorch SDPA time, and how far our two kernels are apart) has no target: it changes no outcome.
 
-  python3 benchmarks/compare.py DIR [--json PATH]      exit status 1 when a target or a check fails
+  python3 benchmarks/compare.py DIR [--json PATH] [--plots PLOTDIR]
+      exit status 1 when a target or a check fails. --plots also draws the results as SVG files in
+      PLOTDIR (gpt2_loss, gpt2_step, kernels, attention and planner .svg, each skipped when its files
+      are missing; drawn by benchmarks/svg_plot.py, no matplotlib); the plots change no outcome.
 """
 import argparse
 import json
 import os
 import sys
+
+from svg_plot import Figure, bar_panel, finite, line_panel
 
 
 def load(directory, name):
@@ -44,10 +49,15 @@ def mib(x):
     return None if x is None else x / 2**20
 
 
+def dicts(xs):
+    """The entries of a JSON list that are objects: a null list or a null entry is passed over."""
+    return [x for x in xs or [] if isinstance(x, dict)]
+
+
 def compare_kernels(ours, torch_, summary):
     print("\nMemory-bound kernels: GB/s and the fraction of the copy bandwidth (higher is better); "
           "time ratio ours/PyTorch (lower is better)")
-    theirs = {k["name"]: k for k in (torch_ or {}).get("kernels", [])}
+    theirs = {k.get("name"): k for k in dicts((torch_ or {}).get("kernels"))}
     copy_ours = ours.get("copy_gb_per_s")
     copy_theirs = (torch_ or {}).get("copy_gb_per_s")
     print(f"  copy bandwidth: ours {fmt(copy_ours, '.1f')} GB/s, PyTorch {fmt(copy_theirs, '.1f')} GB/s "
@@ -55,7 +65,7 @@ def compare_kernels(ours, torch_, summary):
     print(f"  {'kernel':<30}{'ours ms':>10}{'GB/s':>9}{'vs copy':>9}{'target':>8}  {'result':<8}"
           f"{'torch ms':>10}{'vs copy':>9}{'ours/torch':>11}")
     ok = True
-    for k in ours["kernels"]:
+    for k in dicts(ours.get("kernels")):
         t = theirs.get(k["name"], {})
         target = k.get("target")
         meets = k.get("meets_target", True)
@@ -67,14 +77,17 @@ def compare_kernels(ours, torch_, summary):
             result = "pass" if meets else "FAIL"
         ok = ok and k.get("checked", False) and meets
         time_ratio = ratio(k.get("median_ms"), t.get("median_ms"))
-        print(f"  {k['name']:<30}{k['median_ms']:>10.4f}{k['gb_per_s']:>9.1f}{fmt(k.get('ratio_to_copy'), '.3f'):>9}"
+        # fmt, not a format spec: the benchmark writes a figure that is not finite as null.
+        print(f"  {k['name']:<30}{fmt(k.get('median_ms'), '.4f'):>10}{fmt(k.get('gb_per_s'), '.1f'):>9}"
+              f"{fmt(k.get('ratio_to_copy'), '.3f'):>9}"
               f"{fmt(target, '.2f'):>8}  {result:<8}{fmt(t.get('median_ms'), '.4f'):>10}"
               f"{fmt(t.get('ratio_to_copy'), '.3f'):>9}{fmt(time_ratio, '.3f'):>11}")
-        summary["kernels"][k["name"]] = dict(ours_ms=k["median_ms"], ours_ratio_to_copy=k["ratio_to_copy"],
+        summary["kernels"][k["name"]] = dict(ours_ms=k.get("median_ms"),
+                                             ours_ratio_to_copy=k.get("ratio_to_copy"),
                                              target=target, result=result, torch_ms=t.get("median_ms"),
                                              time_ratio_ours_over_torch=time_ratio)
     # A kernel whose run threw has no row above; its target counts as missed.
-    for e in ours.get("errors", []):
+    for e in dicts(ours.get("errors")):
         print(f"  {e['name']:<30}  failed: {e['error']}")
         summary["kernels"][e["name"]] = dict(result="failed", error=e["error"])
         ok = False
@@ -84,7 +97,7 @@ def compare_kernels(ours, torch_, summary):
 def compare_gpt2(ours, torch_, summary):
     print(f"\nGPT-2 training step ({ours.get('model')}, {ours.get('parameters')} parameters): ours / PyTorch — "
           "step time and memory lower is better, tokens/s higher is better")
-    theirs = {r["batch"]: r for r in (torch_ or {}).get("runs", [])}
+    theirs = {r.get("batch"): r for r in dicts((torch_ or {}).get("runs"))}
     print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours tok/s':>12}{'torch tok/s':>12}{'tok/s ratio':>12}"
           f"{'ours MiB':>10}{'torch MiB':>11}{'mem ratio':>10}{'loss[0] ours':>14}{'torch':>9}{'max |dloss|':>12}  result")
     ok = True
@@ -92,32 +105,40 @@ def compare_gpt2(ours, torch_, summary):
         print(f"  failed before any run: {ours['error']}")
         summary["gpt2"]["error"] = ours["error"]
         ok = False
-    for r in ours.get("runs", []):
+    for r in dicts(ours.get("runs")):
         if r.get("error"):
-            print(f"  {r['batch']:>5}  failed: {r['error']}")
+            print(f"  {str(r.get('batch')):>5}  failed: {r['error']}")
             summary["gpt2"][str(r["batch"])] = dict(result="failed", error=r["error"])
             ok = False
             continue
-        t = theirs.get(r["batch"], {})
+        t = theirs.get(r.get("batch"), {})
         loss_ok = None
         max_diff = None
+        # A loss that was not finite is written as null: it has no difference, and a first loss that
+        # is null agrees with nothing.
+        first = (r.get("losses") or [None])[0]
         if t.get("losses"):
-            max_diff = max(abs(x - y) for x, y in zip(r["losses"], t["losses"]))
-            loss_ok = abs(r["losses"][0] - t["losses"][0]) <= 0.02
+            diffs = [abs(x - y) for x, y in zip(r.get("losses") or [], t["losses"])
+                     if x is not None and y is not None]
+            max_diff = max(diffs) if diffs else None
+            loss_ok = first is not None and t["losses"][0] is not None and abs(first - t["losses"][0]) <= 0.02
             ok = ok and loss_ok
         result = "-" if loss_ok is None else ("pass" if loss_ok else "FAIL (first losses differ)")
-        tok_ratio = ratio(r["tokens_per_s"], t.get("tokens_per_s"))
+        tok_ratio = ratio(r.get("tokens_per_s"), t.get("tokens_per_s"))
         mem_ratio = ratio(r.get("peak_allocated_bytes"), t.get("peak_allocated_bytes"))
-        print(f"  {r['batch']:>5}{r['step_ms_median']:>10.1f}{fmt(t.get('step_ms_median'), '.1f'):>10}"
-              f"{r['tokens_per_s']:>12.0f}{fmt(t.get('tokens_per_s'), '.0f'):>12}{fmt(tok_ratio, '.3f'):>12}"
+        print(f"  {str(r.get('batch')):>5}{fmt(r.get('step_ms_median'), '.1f'):>10}"
+              f"{fmt(t.get('step_ms_median'), '.1f'):>10}{fmt(r.get('tokens_per_s'), '.0f'):>12}"
+              f"{fmt(t.get('tokens_per_s'), '.0f'):>12}{fmt(tok_ratio, '.3f'):>12}"
               f"{fmt(mib(r.get('peak_allocated_bytes')), '.0f'):>10}{fmt(mib(t.get('peak_allocated_bytes')), '.0f'):>11}"
-              f"{fmt(mem_ratio, '.3f'):>10}{r['losses'][0]:>14.4f}{fmt((t.get('losses') or [None])[0], '.4f'):>9}"
+              f"{fmt(mem_ratio, '.3f'):>10}{fmt(first, '.4f'):>14}"
+              f"{fmt((t.get('losses') or [None])[0], '.4f'):>9}"
               f"{fmt(max_diff, '.4f'):>12}  {result}")
         summary["gpt2"][str(r["batch"])] = dict(
-            ours_step_ms=r["step_ms_median"], torch_step_ms=t.get("step_ms_median"), ours_tokens_per_s=r["tokens_per_s"],
+            ours_step_ms=r.get("step_ms_median"), torch_step_ms=t.get("step_ms_median"),
+            ours_tokens_per_s=r.get("tokens_per_s"),
             torch_tokens_per_s=t.get("tokens_per_s"), tokens_per_s_ratio=tok_ratio,
             ours_peak_allocated=r.get("peak_allocated_bytes"), torch_peak_allocated=t.get("peak_allocated_bytes"),
-            memory_ratio=mem_ratio, first_loss_ours=r["losses"][0], first_loss_torch=(t.get("losses") or [None])[0],
+            memory_ratio=mem_ratio, first_loss_ours=first, first_loss_torch=(t.get("losses") or [None])[0],
             max_loss_difference=max_diff, result=result)
     return ok
 
@@ -185,47 +206,304 @@ def compare_planner(planner, summary):
     print("\nPlanner on the GPU: predicted vs measured peak (measured / predicted; must fit the budget)")
     print(f"  {'budget':>8}{'micro x steps':>15}{'ckpt':>6}{'predicted MiB':>15}{'measured MiB':>14}{'ratio':>8}  result")
     ok = True
-    for r in planner.get("runs", []):
+    for r in dicts(planner.get("runs")):
         if r.get("status") != "ok":
-            print(f"  {r.get('budget'):>8}  {r.get('status')}: {r.get('message', '')}")
+            print(f"  {str(r.get('budget')):>8}  {r.get('status')}: {r.get('message', '')}")
             ok = False
             continue
         pred, meas, budget = r.get("predicted_peak"), r.get("measured_peak"), r.get("budget_bytes")
         fits = meas is not None and budget is not None and meas <= budget
         ok = ok and fits
         plan = f"{r.get('micro_batch_size')} x {r.get('accumulation_steps')}"
-        print(f"  {r['budget']:>8}{plan:>15}{str(r.get('gradient_checkpointing', '-')):>6}"
+        print(f"  {str(r.get('budget')):>8}{plan:>15}{str(r.get('gradient_checkpointing', '-')):>6}"
               f"{fmt(mib(pred), '.0f'):>15}{fmt(mib(meas), '.0f'):>14}{fmt(ratio(meas, pred), '.3f'):>8}"
               f"  {'pass' if fits else 'FAIL (over budget)'}")
-        summary["planner"][r["budget"]] = dict(predicted_peak=pred, measured_peak=meas,
+        summary["planner"][str(r.get("budget"))] = dict(predicted_peak=pred, measured_peak=meas,
                                                ratio=ratio(meas, pred), fits=fits)
     return ok
+
+
+# Plots (--plots). Each one draws what its files hold and names, in a note under the panels, what
+# it left out (a run that failed, a figure that is missing); nothing here changes the outcome.
+OURS, SIMT, TORCH = "#1f77b4", "#8fbbe0", "#ff7f0e"  # ours blue, our other kernel light blue, PyTorch orange
+PREDICTED, LIMIT = "#9467bd", "#d62728"  # the planner's prediction; targets and budgets
+GREY_LINE = "#555555"  # the copy bandwidth, the yardstick of the kernels plot
+
+
+def on_devices(ours, torch_):
+    """ "on DEVICE" for a title, naming both devices when the two runs were not on the same one."""
+    a = ours.get("device") if isinstance(ours, dict) else None
+    b = torch_.get("device") if isinstance(torch_, dict) else None
+    if a and b and a != b:
+        return f"ours on {a}, PyTorch on {b}"
+    return f"on {a or b or 'an unnamed device'}"
+
+
+def runs_of(j):
+    return dicts((j or {}).get("runs"))
+
+
+def gib(x):
+    x = finite(x)
+    return None if x is None else x / 2**30
+
+
+def copy_bandwidth(j):
+    v = finite(j.get("copy_gb_per_s"))
+    return "n/a" if v is None else f"{v:.1f} GB/s"
+
+
+def plot_gpt2_loss(ours, torch_, path):
+    # PyTorch's line dashed over ours: the two runs' losses agree closely, and one would hide the other.
+    sides = [("ours", OURS, ours, None), ("PyTorch", TORCH, torch_, "7,4")]
+    panels = {}  # micro-batch -> {side: losses}, in the order the runs were made
+    failed = {}  # micro-batch -> the sides whose run failed
+    notes = []
+    for who, _, j, _ in sides:
+        if not j:
+            continue
+        if j.get("error"):
+            notes.append(f"{who}: failed before any run: {j['error']}")
+        for r in runs_of(j):
+            b = r.get("batch")
+            panels.setdefault(b, {})
+            if r.get("error"):
+                failed.setdefault(b, []).append(who)
+                notes.append(f"{who}, micro-batch {b}: failed, left out: {r['error']}")
+            elif r.get("losses"):
+                panels[b][who] = r["losses"]
+            else:
+                notes.append(f"{who}, micro-batch {b}: no losses recorded")
+    if not torch_:
+        notes.append("torch_gpt2.json: not found (ours only)")
+    warmup = finite(ours.get("warmup"))
+    warmup = finite((torch_ or {}).get("warmup")) if warmup is None else warmup
+    cols = max(1, min(3, len(panels)))
+    pw, ph, left, gap = 360, 230, 75, 40
+    width = left + cols * pw + (cols - 1) * (left + gap - 20) + 30
+    title = (f"GPT-2 ({ours.get('model')}) training loss per optimizer step, ours vs PyTorch, "
+             f"{on_devices(ours, torch_)}")
+    subtitle = ("Both runs start from the same weights and tokens"
+                + (f"; the grey band is the {warmup:g} warm-up steps (not timed)" if warmup else ""))
+    fig = Figure(width, title, subtitle)
+    fig.legend([(who, colour, "dash" if dash else "line") for who, colour, j, dash in sides if j])
+    for i, (b, losses) in enumerate(panels.items()):
+        x = left + (i % cols) * (pw + left + gap - 20)
+        y = fig.top + 25 + (i // cols) * (ph + 85)
+        series = [(who, colour, list(enumerate(losses[who])), dash) for who, colour, _, dash in sides
+                  if who in losses]
+        label = f"micro-batch {b}" + (f" ({' and '.join(failed[b])} failed)" if b in failed else "")
+        line_panel(fig, (x, y, pw, ph), series, title=label, xlabel="optimizer step", ylabel="loss",
+                   shade=(0, warmup - 0.5, "warm-up") if warmup else None, message="no losses")
+    if not panels:
+        line_panel(fig, (left, fig.top + 25, pw, ph), [], message="no runs")
+    for n in notes:
+        fig.note(n)
+    fig.save(path)
+
+
+def plot_gpt2_step(ours, torch_, path):
+    theirs = {r.get("batch"): r for r in runs_of(torch_) if not r.get("error")}
+    notes = [f"{who}, micro-batch {r.get('batch')}: failed, left out: {r['error']}"
+             for who, j in (("ours", ours), ("PyTorch", torch_)) for r in runs_of(j) if r.get("error")]
+    if ours.get("error"):
+        notes.insert(0, f"ours: failed before any run: {ours['error']}")
+    if not torch_:
+        notes.append("torch_gpt2.json: not found (ours only)")
+    mine = {r.get("batch"): r for r in runs_of(ours) if not r.get("error")}
+    batches = list(mine) + [b for b in theirs if b not in mine]
+    if torch_ and not any(finite(r.get("peak_allocated_bytes")) is not None for r in theirs.values()):
+        notes.append("PyTorch's peak memory is recorded on CUDA only (n/a)")
+    categories = [f"B = {b}" for b in batches]
+    w, h, left = max(240, 115 * len(batches)), 250, 80
+    width = 2 * (left + w) + 40
+    title = (f"GPT-2 ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
+             f"{on_devices(ours, torch_)}")
+    fig = Figure(width, title, "Median time per optimizer step after the warm-up and the allocator's peak "
+                               "allocated memory (PyTorch: max_memory_allocated); lower is better")
+    fig.legend([("ours", OURS, "box")] + ([("PyTorch", TORCH, "box")] if torch_ else []))
+    y = fig.top + 25
+    panels = [("median step time", "ms", "step_ms_median", finite),
+              ("peak allocated memory", "GiB", "peak_allocated_bytes", gib)]
+    for i, (panel, unit, key, scale) in enumerate(panels):
+        series = [("ours", OURS, [scale((mine.get(b) or {}).get(key)) for b in batches])]
+        if torch_:
+            series.append(("PyTorch", TORCH, [scale((theirs.get(b) or {}).get(key)) for b in batches]))
+        bar_panel(fig, (left + i * (left + w + 20), y, w, h), categories, series, title=f"{panel} ({unit})",
+                  axis_label=unit)
+    for n in notes:
+        fig.note(n)
+    fig.save(path)
+
+
+def plot_kernels(ours, torch_, path):
+    mine = {k.get("name"): k for k in dicts(ours.get("kernels"))}
+    theirs = {k.get("name"): k for k in dicts((torch_ or {}).get("kernels"))}
+    # copy is the yardstick (1 by definition): drawn as the dashed line, not as a bar.
+    names = [n for n in list(mine) + [n for n in theirs if n not in mine] if n != "copy"]
+    markers, notes_by_kernel = [], {}
+    for i, n in enumerate(names):
+        k = mine.get(n) or {}
+        target = finite(k.get("target"))
+        target = finite((theirs.get(n) or {}).get("target")) if target is None else target
+        if target is not None:
+            markers.append((i, target, LIMIT))
+        words = [f"target {target:.2f}"] if target is not None else []
+        if n in mine and not k.get("checked", False):  # as the table: a wrong result meets no target
+            words.append("WRONG result")
+        elif n in mine and target is not None:
+            words.append("pass" if k.get("meets_target", True) else "FAIL")
+        notes_by_kernel[i] = ", ".join(words)
+    notes = [f"ours, {e.get('name')}: failed, left out: {e.get('error')}"
+             for e in dicts(ours.get("errors"))]
+    if not torch_:
+        notes.append("torch_kernels.json: not found (ours only)")
+    left = 30 + max([len(str(n)) * 12 * 0.56 for n in names] + [80])
+    w = 560
+    h = max(60, len(names) * (18 * (2 if torch_ else 1) + 16))
+    copies = f"ours {copy_bandwidth(ours)}" + (f", PyTorch {copy_bandwidth(torch_)}" if torch_ else "")
+    fig = Figure(int(left + w + 40), "Memory-bound kernels: fraction of the copy bandwidth, "
+                                     f"{on_devices(ours, torch_)}",
+                 f"Each side against its own copy ({copies}"
+                 + (f"; {ours['sizes']} sizes" if ours.get("sizes") else "") + "); higher is better")
+    fig.legend([("ours", OURS, "box")] + ([("PyTorch", TORCH, "box")] if torch_ else [])
+               + ([("target", LIMIT, "tick")] if markers else []))
+    series = [("ours", OURS, [(mine.get(n) or {}).get("ratio_to_copy") for n in names])]
+    if torch_:
+        series.append(("PyTorch", TORCH, [(theirs.get(n) or {}).get("ratio_to_copy") for n in names]))
+    bar_panel(fig, (left, fig.top + 22, w, h), [str(n) for n in names], series, horizontal=True,
+              markers=markers, lines=[(1.0, GREY_LINE, "copy")], category_notes=notes_by_kernel,
+              axis_label="fraction of the copy bandwidth", fmt_value=lambda v: f"{v:.3f}")
+    for n in notes:
+        fig.note(n)
+    fig.save(path)
+
+
+def plot_attention(ours, torch_, path):
+    shape = ours.get("shape")
+    notes = []
+    sides = [("ours, tensor cores" if ours.get("kernel") == "tensor" else "ours", OURS, ours)]
+    if "simt" in ours:  # a file from before there were two kernels has no "simt"
+        sides.append(("ours, f32 math (simt)", SIMT, ours.get("simt")))
+    if torch_ and torch_.get("shape") != shape:
+        notes.append(f"PyTorch SDPA ran {tuple(torch_.get('shape') or ())}, not this shape: left out")
+    elif torch_:
+        sides.append(("PyTorch SDPA", TORCH, torch_))
+    else:
+        notes.append("torch_attention.json: not found (ours only)")
+    drawn = []
+    for label, colour, j in sides:
+        if not isinstance(j, dict):
+            notes.append(f"{label}: no figures, left out")
+        elif j.get("error"):
+            notes.append(f"{label}: failed, left out: {j['error']}")
+        else:
+            drawn.append((label, colour, [j.get("forward_ms"), j.get("forward_backward_ms")]))
+    w, h, left = 560, 260, 80
+    fig = Figure(left + w + 40, f"Causal attention {tuple(shape or ())} bf16: time per call, "
+                                f"{on_devices(ours, None)}",
+                 "Median of 20 calls after 3 warm-up calls; lower is better")
+    fig.legend([(label, colour, "box") for label, colour, _ in drawn])
+    bar_panel(fig, (left, fig.top + 22, w, h), ["forward", "forward + backward"], drawn, axis_label="ms")
+    for n in notes:
+        fig.note(n)
+    fig.save(path)
+
+
+def plot_planner(planner, device_name, path):
+    runs = runs_of(planner)
+    budgets, notes, status = [], [], {}
+    for i, r in enumerate(runs):
+        budgets.append(str(r.get("budget")))
+        meas, budget = finite(r.get("measured_peak")), finite(r.get("budget_bytes"))
+        words = [] if r.get("status") == "ok" else [str(r.get("status"))]
+        if meas is not None and budget is not None and meas > budget:
+            words.append("over budget")
+        status[i] = ", ".join(words)
+        if r.get("status") != "ok":
+            logged = any(finite(r.get(key)) is not None for key in ("predicted_peak", "measured_peak"))
+            notes.append(f"{r.get('budget')}: {r.get('status')}: {r.get('message', '')}"
+                         + (" (what it logged is drawn)" if logged else ""))
+    plan_device = next((r.get("device") for r in runs if r.get("device")), None)
+    where = " ".join(x for x in (device_name, f"({plan_device})" if plan_device else None) if x)
+    w, h, left = max(300, 130 * len(runs)), 260, 80
+    fig = Figure(left + w + 40, f"Memory planner ({planner.get('model')}, {planner.get('precision')}): "
+                                f"predicted vs measured peak per budget, on {where or 'an unnamed device'}",
+                 "Measured: the allocator's reserved bytes above the Trainer's baseline, the largest over the "
+                 "steps; it must stay under the budget")
+    fig.legend([("predicted", PREDICTED, "box"), ("measured", OURS, "box"), ("budget", LIMIT, "tick")])
+    series = [("predicted", PREDICTED, [gib(r.get("predicted_peak")) for r in runs]),
+              ("measured", OURS, [gib(r.get("measured_peak")) for r in runs])]
+    markers = [(i, gib(r.get("budget_bytes")), LIMIT) for i, r in enumerate(runs)]
+    bar_panel(fig, (left, fig.top + 22, w, h), budgets, series, markers=markers, category_notes=status,
+              axis_label="GiB")
+    for n in notes:
+        fig.note(n)
+    fig.save(path)
+
+
+def write_plots(directory, files):
+    print(f"\nPlots in {directory}:")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        print(f"  none drawn: {e}")
+        return
+    # The GPU's name, for the planner, whose file has only the Trainer's device ("cuda:0").
+    device_name = next((j.get("device") for n, j in files.items()
+                        if isinstance(j, dict) and j.get("device") and not n.startswith("torch_")), None)
+    plots = [("gpt2_loss.svg", "gpt2.json",
+              lambda j, path: plot_gpt2_loss(j, files.get("torch_gpt2.json"), path)),
+             ("gpt2_step.svg", "gpt2.json",
+              lambda j, path: plot_gpt2_step(j, files.get("torch_gpt2.json"), path)),
+             ("kernels.svg", "kernels.json",
+              lambda j, path: plot_kernels(j, files.get("torch_kernels.json"), path)),
+             ("attention.svg", "attention.json",
+              lambda j, path: plot_attention(j, files.get("torch_attention.json"), path)),
+             ("planner.svg", "planner.json", lambda j, path: plot_planner(j, device_name, path))]
+    for name, source, draw in plots:
+        if not isinstance(files.get(source), dict):
+            print(f"  {name}: skipped ({source} not found)")
+            continue
+        path = os.path.join(directory, name)
+        try:
+            draw(files[source], path)
+            print(f"  wrote {path}")
+        except Exception as e:  # a plot that cannot be drawn must not hide the tables' verdict
+            print(f"  {name}: not drawn: {type(e).__name__}: {e}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir")
     p.add_argument("--json", default="")
+    p.add_argument("--plots", default="", metavar="PLOTDIR")
     a = p.parse_args()
     summary = {"kernels": {}, "gpt2": {}, "planner": {}, "attention": {}}
     ok = True
     found = False
-    ours = load(a.dir, "kernels.json")
+    files = {}  # what was read, for the plots
+    ours = files["kernels.json"] = load(a.dir, "kernels.json")
     if ours:
         found = True
-        ok = compare_kernels(ours, load(a.dir, "torch_kernels.json"), summary) and ok
-    ours = load(a.dir, "gpt2.json")
+        torch_ = files["torch_kernels.json"] = load(a.dir, "torch_kernels.json")
+        ok = compare_kernels(ours, torch_, summary) and ok
+    ours = files["gpt2.json"] = load(a.dir, "gpt2.json")
     if ours:
         found = True
-        ok = compare_gpt2(ours, load(a.dir, "torch_gpt2.json"), summary) and ok
-    planner = load(a.dir, "planner.json")
+        torch_ = files["torch_gpt2.json"] = load(a.dir, "torch_gpt2.json")
+        ok = compare_gpt2(ours, torch_, summary) and ok
+    planner = files["planner.json"] = load(a.dir, "planner.json")
     if planner:
         found = True
         ok = compare_planner(planner, summary) and ok
     # No target: neither `ok` nor `found` (an attention run alone has nothing to pass).
-    ours = load(a.dir, "attention.json")
+    ours = files["attention.json"] = load(a.dir, "attention.json")
     if ours:
-        compare_attention(ours, load(a.dir, "torch_attention.json"), summary)
+        files["torch_attention.json"] = load(a.dir, "torch_attention.json")
+        compare_attention(ours, files["torch_attention.json"], summary)
+    if a.plots:
+        write_plots(a.plots, files)
     summary["pass"] = ok and found
     print("\n" + ("all targets and checks pass" if summary["pass"] else
                   "no results to compare" if not found else "some targets or checks FAIL"))

@@ -8,8 +8,9 @@
 # Stages, in order (each one time-boxed with `timeout`); the figures that matter most come first,
 # so that a stage that hangs costs the less important ones:
 #   configure      a build folder with -DMB_DEPS_DIR=deps -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON
-#                  -DMB_NATIVE=OFF; cuDNN from the CUDA folder, else from the pip package next to
-#                  PyTorch (CUDNN_ROOT), else none (the im2col convolutions serve)
+#                  -DMB_NATIVE=OFF (Ninja when it is installed); cuDNN from the CUDA folder, else
+#                  from the pip package next to PyTorch (CUDNN_ROOT), else none (the im2col
+#                  convolutions serve)
 #   build          the library, the command, the benchmarks and both test suites, on every core,
 #                  keeping going past a target that fails: each later stage needs only its own
 #                  program, built in this run
@@ -25,7 +26,8 @@
 #   tests_train
 #   sanitizer      compute-sanitizer memcheck on short training runs of tiny GPTs on cuda:0 (f32, bf16)
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
-#   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json
+#   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json,
+#                  and its plots -> OUTDIR/plots/*.svg
 #
 # It writes OUTDIR/gpu_check.log (everything each stage printed, under a header per stage) and
 # OUTDIR/results.json (stage -> status pass | fail | timeout | skip, seconds, figures, message),
@@ -287,6 +289,12 @@ CONFIG_ARGS=(-S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMB_DEPS_DIR
              -DMB_BUILD_BENCHMARKS=ON -DMB_NATIVE=OFF)
 CUDNN_NOTE=""
 [[ "${MB_GPU_CHECK_FRESH:-0}" == 1 ]] && rm -rf "$BUILD_DIR" && mkdir -p "$BUILD_DIR"
+# Ninja where there is one and the folder is new (CMake keeps a folder's generator): it compiles a
+# target's objects while the targets it links against are still building, where Make waits for
+# them, and that is most of a fresh build's time on many cores.
+if [[ ! -f "$BUILD_DIR/CMakeCache.txt" ]] && command -v ninja >/dev/null 2>&1; then
+  CONFIG_ARGS+=(-G Ninja)
+fi
 if [[ "$CUDA" == ON ]]; then
   [[ -n "$NVCC" ]] && CONFIG_ARGS+=(-DCMAKE_CUDA_COMPILER="$NVCC")
   # cuDNN: the CUDA folder's own, else the pip package beside PyTorch (its library is only
@@ -447,7 +455,7 @@ gpu_stage planner && ready planner microbatch &&
 KEEP=0
 if gpu_stage compare; then
   if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/planner.json" || -f "$OUT/attention.json" ]]; then
-    run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json"
+    run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json" --plots "$OUT/plots"
   else
     skip_stage compare "no benchmark results to compare"
   fi
