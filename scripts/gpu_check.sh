@@ -389,6 +389,7 @@ gpu_stage() {  # name: true when the GPU stage NAME is to run
 # GPT-2's initial weights and tokens, which bench_gpt2 writes and torch_gpt2 reads (500 MB: kept out
 # of OUTDIR).
 GPT2_IO="$BUILD_DIR/gpt2_io"
+PROFILE_ENV=()  # the profile follows the GPT-2 run that worked
 if gpu_stage bench_gpt2 && ready bench_gpt2 bench_gpt2_cuda; then
   mkdir -p "$GPT2_IO"
   run_stage bench_gpt2 90 45 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$GPT2_IO" --json "$OUT/gpt2.json"
@@ -396,12 +397,13 @@ if gpu_stage bench_gpt2 && ready bench_gpt2 bench_gpt2_cuda; then
     # Once more on the f32-math attention kernels, so that a fault in the tensor-core ones (the
     # newest) still leaves the rest of the step measured.
     run_stage bench_gpt2_simt 90 45 env MB_ATTENTION_KERNEL=simt "$BUILD_DIR/bench_gpt2_cuda" \
-      --out-dir "$GPT2_IO" --json "$OUT/gpt2_simt.json"
+      --out-dir "$GPT2_IO" --json "$OUT/gpt2_simt.json" && PROFILE_ENV=(MB_ATTENTION_KERNEL=simt)
   fi
 fi
 if gpu_stage profile_gpt2 && ready profile_gpt2 bench_gpt2_cuda; then
   # A few steps after two timed ones, the profiler on; its own folder for the weights.
-  run_stage profile_gpt2 60 30 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$BUILD_DIR/profile_run" --batch 8 \
+  run_stage profile_gpt2 60 30 env "${PROFILE_ENV[@]}" "$BUILD_DIR/bench_gpt2_cuda" \
+    --out-dir "$BUILD_DIR/profile_run" --batch 8 \
     --warmup 2 --steps 2 --profile --profile-steps 3 --profile-out "$OUT/gpt2_profile.txt" \
     --json "$OUT/gpt2_profile.json"
   rm -rf "$BUILD_DIR/profile_run"
