@@ -5,6 +5,7 @@
 // on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
 #include <CLI/CLI.hpp>
 
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -51,6 +52,7 @@ struct Options {
   std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
   std::map<std::string, CLI::Option*> switch_options;
   bool json = false;
+  bool eval_strategy_given = false;  // by a flag or the config file
   bool profile = false;  // train only
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
@@ -94,7 +96,15 @@ void add_model_flags(CLI::App& cmd, Options& o) {
 
 mb::train::TrainingArguments training_arguments(Options& o) {
   nlohmann::json j = command_defaults().to_json();
-  if (!o.config.empty()) j.update(mb::train::TrainingArguments::load(o.config).to_json());
+  if (!o.config.empty()) {
+    // The file's own keys over the command's defaults (load() checks them; its result would carry
+    // the library's defaults for every key the file leaves out).
+    (void)mb::train::TrainingArguments::load(o.config);
+    std::ifstream in(o.config);
+    const nlohmann::json file = nlohmann::json::parse(in);
+    j.update(file);
+    o.eval_strategy_given = file.contains("eval_strategy");
+  }
   const nlohmann::json defaults = command_defaults().to_json();
   for (auto& [name, text] : o.given) {
     if (text.empty()) continue;
@@ -115,7 +125,8 @@ mb::train::TrainingArguments training_arguments(Options& o) {
   }
   for (auto& [name, option] : o.switch_options)
     if (option->count() > 0) j[name] = o.switches[name];
-  j["json"] = o.json;
+  if (o.json) j["json"] = true;  // else the config file's, or false
+  o.eval_strategy_given = o.eval_strategy_given || !o.given["eval_strategy"].empty();
   return mb::train::TrainingArguments::from_json(j);
 }
 
@@ -175,6 +186,9 @@ Job make_job(Options& o) {
 int run_train(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   Job job = make_job(o);
+  // The command evaluates each epoch by default; data with no evaluation split (synthetic tokens)
+  // is not evaluated unless asked, and then the Trainer says what is missing.
+  if (!job.eval_set && !o.eval_strategy_given) args.eval_strategy = "no";
   mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
   const mb::train::MemoryPlan& plan = trainer.plan();
   if (!args.json) {

@@ -68,6 +68,9 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
       log_stream_(&std::cout) {
   args_.validate();
   MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
+  MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
+           "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set eval_strategy = no",
+           args_.eval_strategy);
   device_ = args_.training_device();
   empty_cache(device_);
   baseline_ = memory_stats(device_).reserved.current;
@@ -307,8 +310,31 @@ TrainOutput Trainer::train() {
       point = ResumePoint{args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
     }
     const nlohmann::json& st = point->data.trainer_state;
-    store.load_master_state(point->data.model);
-    adamw.load_state_dict(point->data.optimizer);
+    // Note [Resuming the same run]: the checkpoint's window counts batches of its own effective
+    // batch, drawn in its own seed's order from its own training set; with any of them changed, the
+    // resumed run would repeat or skip examples without a word. Refuse, naming what differs.
+    const nlohmann::json saved_args = st.value("args", nlohmann::json::object());
+    const nlohmann::json saved_plan = st.value("plan", nlohmann::json::object());
+    auto same = [&](const char* what, const nlohmann::json& saved, std::int64_t now, const char* hint) {
+      MB_CHECK(saved.is_null() || saved.get<std::int64_t>() == now,
+               "[Trainer] cannot resume from {}: it was trained with {} {}, this run has {}; the data "
+               "order would differ ({})", point->path, what, saved.dump(), now, hint);
+    };
+    same("seed", saved_args.value("seed", nlohmann::json()), static_cast<std::int64_t>(args_.seed),
+         "pass the same seed");
+    same("an effective batch of", saved_plan.value("effective_batch", nlohmann::json()),
+         plan_.effective_batch, "keep per_device_train_batch_size x gradient_accumulation_steps");
+    same("a training set of", st.value("train_examples", nlohmann::json()), train_set_.size(),
+         "train on the same data");
+    MB_CHECK(st.at("window").get<std::int64_t>() <= windows_per_epoch,
+             "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this run's epochs "
+             "have {} windows", point->path, st.at("window").get<std::int64_t>(), windows_per_epoch);
+    try {
+      store.load_master_state(point->data.model);
+      adamw.load_state_dict(point->data.optimizer);
+    } catch (const Error& e) {
+      MB_CHECK(false, "[Trainer] {} does not fit this model: {}", point->path, e.what());
+    }
     if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
     skipped = st.value("skipped_steps", std::int64_t{0});
     step = st.at("global_step").get<std::int64_t>();
@@ -319,9 +345,20 @@ TrainOutput Trainer::train() {
     loss_sum = st.at("loss_sum").get<double>();
     scheduler.set_steps(st.at("scheduler_steps").get<std::int64_t>());
     default_generator().set_state({st.at("rng_seed").get<std::uint64_t>(), st.at("rng_offset").get<std::uint64_t>()});
-    out << "resumed from " << point->path << " at step " << step << "\n";
+    const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
+    log_file << event.dump() << "\n";
+    if (args_.json) {
+      out << event.dump() << "\n";
+    } else {
+      out << "resumed from " << point->path << " at step " << step << "\n";
+    }
   }
+  const std::int64_t first_step = step;  // a run resumed at its end trains, evaluates and saves nothing
   LossSum loss_total(device_, loss_sum);  // of every window's loss (Note [Training on a device])
+  // The windows' losses since the last log line: the line reports their mean, as Hugging Face's
+  // Trainer logs tr_loss over the steps since it last logged.
+  LossSum interval_loss(device_);
+  std::int64_t interval_steps = 0;
 
   // The boundary step runs here or is queued on the device (Note [Boundary step on the device] in
   // optim/boundary_step.h); its outcomes reach take_outcome once the host knows them.
@@ -338,7 +375,8 @@ TrainOutput Trainer::train() {
     data.trainer_state = {{"global_step", step}, {"epoch", epoch}, {"window", window}, {"samples", samples},
                           {"tokens", tokens}, {"loss_sum", loss_total.value()}, {"scheduler_steps", scheduler.steps()},
                           {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
-                          {"args", args_.to_json()}, {"skipped_steps", skipped}};
+                          {"args", args_.to_json()}, {"skipped_steps", skipped},
+                          {"windows_per_epoch", windows_per_epoch}, {"train_examples", train_set_.size()}};
     if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
     const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
@@ -513,10 +551,15 @@ TrainOutput Trainer::train() {
     samples += static_cast<std::int64_t>(indices.size());
     tokens += window_tokens;
     loss_total.add(window_loss);
+    interval_loss.add(window_loss);
+    ++interval_steps;
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
       MemoryStats stats = memory_stats(device_);
-      const double loss = window_loss.value();  // the one read of the device between log lines
+      // The one read of the device between log lines.
+      const double loss = interval_loss.value() / static_cast<double>(interval_steps);
+      interval_loss = LossSum(device_);
+      interval_steps = 0;
       stats.reserved.peak = std::max(stats.reserved.peak, carried_peak);
       carried_peak = 0;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -566,7 +609,19 @@ TrainOutput Trainer::train() {
     if (on_step_) on_step_(step);
   }
   for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // none pending after a logged last step
-  if (eval_set_ && args_.eval_strategy == "epoch" && window >= windows_per_epoch) last_eval = evaluate_now();
+  if (step > first_step) {
+    // Note [The end of training]: as Hugging Face's Trainer, the last epoch ends here, whole or cut
+    // short by max_steps: it is evaluated and saved under the epoch strategies, and the last step
+    // is saved under the steps strategy when save_steps did not already. A whole last epoch is
+    // saved as finished (the next epoch, window 0), as the epochs before it.
+    if (args_.eval_strategy == "epoch") last_eval = evaluate_now();
+    if (window >= windows_per_epoch) {
+      ++epoch;
+      window = 0;
+    }
+    if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && step % args_.save_steps != 0))
+      save();
+  }
   save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
 
   TrainOutput result;

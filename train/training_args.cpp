@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <type_traits>
 
 #include "core/error.h"
 #include "optim/schedule.h"
@@ -47,7 +48,20 @@ void TrainingArguments::validate() const {
   MB_CHECK(per_device_train_batch_size != kAutoBatch || memory_budget > 0,
            "[TrainingArguments] per_device_train_batch_size = auto needs a memory_budget to plan against");
   MB_CHECK(max_steps > 0 || num_train_epochs > 0, "[TrainingArguments] set max_steps > 0 or num_train_epochs > 0");
+  MB_CHECK(std::isfinite(num_train_epochs) && num_train_epochs >= 0 && num_train_epochs <= 1e9,
+           "[TrainingArguments] num_train_epochs must be in [0, 1e9], got {}", num_train_epochs);
   MB_CHECK(learning_rate >= 0, "[TrainingArguments] learning_rate must be >= 0, got {}", learning_rate);
+  MB_CHECK(weight_decay >= 0, "[TrainingArguments] weight_decay must be >= 0, got {}", weight_decay);
+  MB_CHECK(adam_beta1 >= 0 && adam_beta1 < 1, "[TrainingArguments] adam_beta1 must be in [0, 1), got {}",
+           adam_beta1);
+  MB_CHECK(adam_beta2 >= 0 && adam_beta2 < 1, "[TrainingArguments] adam_beta2 must be in [0, 1), got {}",
+           adam_beta2);
+  MB_CHECK(adam_epsilon >= 0, "[TrainingArguments] adam_epsilon must be >= 0, got {}", adam_epsilon);
+  MB_CHECK(warmup_steps >= 0, "[TrainingArguments] warmup_steps must be >= 0, got {}", warmup_steps);
+  MB_CHECK(eval_steps >= 0, "[TrainingArguments] eval_steps must be >= 0 (0: logging_steps), got {}",
+           eval_steps);
+  MB_CHECK(save_total_limit >= 0, "[TrainingArguments] save_total_limit must be >= 0 (0: keep all), got {}",
+           save_total_limit);
   MB_CHECK(max_grad_norm >= 0, "[TrainingArguments] max_grad_norm must be >= 0, got {}", max_grad_norm);
   MB_CHECK(warmup_ratio >= 0 && warmup_ratio <= 1, "[TrainingArguments] warmup_ratio must be in [0, 1], got {}",
            warmup_ratio);
@@ -166,10 +180,21 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   }
   auto get = [&](const char* name, auto& field) {
     if (!j.contains(name)) return;
+    const nlohmann::json& v = j.at(name);
+    using Field = std::decay_t<decltype(field)>;
+    if constexpr (std::is_integral_v<Field> && !std::is_same_v<Field, bool>) {
+      if (!v.is_number()) MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, v.dump());
+      // JSON's get_to would truncate 2.7 to 2 and wrap -1 into an unsigned seed: refuse both.
+      MB_CHECK(v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
+                                         std::trunc(v.get<double>()) == v.get<double>()),
+               "[TrainingArguments] '{}' must be a whole number, got {}", name, v.dump());
+      MB_CHECK(!std::is_unsigned_v<Field> || v.get<double>() >= 0,
+               "[TrainingArguments] '{}' must be >= 0, got {}", name, v.dump());
+    }
     try {
-      j.at(name).get_to(field);
+      v.get_to(field);
     } catch (const nlohmann::json::exception&) {
-      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, j.at(name).dump());
+      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, v.dump());
     }
   };
   get("output_dir", a.output_dir);
@@ -186,9 +211,10 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("per_device_eval_batch_size", a.per_device_eval_batch_size);
   get("gradient_accumulation_steps", a.gradient_accumulation_steps);
   get("train_batch_size", a.train_batch_size);
-  if (j.contains("memory_budget")) {
-    const auto& v = j.at("memory_budget");
-    a.memory_budget = v.is_string() ? parse_bytes(v.get<std::string>()) : v.get<std::int64_t>();
+  if (j.contains("memory_budget") && j.at("memory_budget").is_string()) {
+    a.memory_budget = parse_bytes(j.at("memory_budget").get<std::string>());  // "2GiB"
+  } else {
+    get("memory_budget", a.memory_budget);
   }
   get("num_train_epochs", a.num_train_epochs);
   get("max_steps", a.max_steps);

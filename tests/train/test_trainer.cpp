@@ -164,6 +164,151 @@ TEST_CASE("Trainer: logs per step, evaluates each epoch, predicts") {
   CHECK(fs::exists(dir.path / "model.safetensors"));
 }
 
+namespace {
+// The steps of the checkpoints in dir, in order.
+std::vector<std::int64_t> checkpoint_steps(const fs::path& dir) {
+  std::vector<std::int64_t> steps;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("checkpoint-", 0) == 0) steps.push_back(std::stoll(name.substr(11)));
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::vector<nlohmann::json> step_lines(const fs::path& dir) {
+  std::vector<nlohmann::json> lines;
+  for (auto& l : read_log(dir))
+    if (!l.contains("event")) lines.push_back(l);
+  return lines;
+}
+
+TrainingArguments small_run(const fs::path& dir) {
+  return {.output_dir = dir.string(), .per_device_train_batch_size = 8, .gradient_accumulation_steps = 2,
+          .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .use_cpu = true};
+}
+}  // namespace
+
+TEST_CASE("Trainer: the end of training is saved and evaluated as Hugging Face's Trainer does") {
+  // Note [The end of training]: 96 examples in windows of 16 are 6 steps an epoch.
+  TensorDataset train_set = synthetic_images(96, 1), eval_set = synthetic_images(40, 2);
+  std::ostringstream sink;
+  auto run = [&](TrainingArguments a, const Dataset* eval) {
+    Trainer trainer(small_mlp(), a, train_set, eval, classification_metrics);
+    trainer.set_log_stream(&sink);
+    return trainer.train();
+  };
+  {
+    TempDir dir;  // every epoch's end saves, the last one's too
+    TrainingArguments a = small_run(dir.path);
+    a.save_strategy = "epoch";
+    run(a, nullptr);
+    CHECK(checkpoint_steps(dir.path) == std::vector<std::int64_t>{6, 12});
+  }
+  {
+    TempDir dir;  // the last step saves when save_steps did not reach it
+    TrainingArguments a = small_run(dir.path);
+    a.max_steps = 9;
+    a.save_strategy = "steps";
+    a.save_steps = 2;
+    run(a, nullptr);
+    CHECK(checkpoint_steps(dir.path) == std::vector<std::int64_t>{2, 4, 6, 8, 9});
+  }
+  {
+    TempDir dir;  // an epoch cut short by max_steps is still evaluated and saved
+    TrainingArguments a = small_run(dir.path);
+    a.max_steps = 3;
+    a.eval_strategy = "epoch";
+    a.save_strategy = "epoch";
+    TrainOutput out = run(a, &eval_set);
+    CHECK(out.metrics.count("eval_accuracy") == 1);
+    int evals = 0;
+    for (auto& l : read_log(dir.path))
+      if (l.value("event", "") == "eval") ++evals;
+    CHECK(evals == 1);
+    CHECK(checkpoint_steps(dir.path) == std::vector<std::int64_t>{3});
+  }
+}
+
+TEST_CASE("Trainer: a log line's loss is the mean over the steps since the last line") {
+  TensorDataset train_set = synthetic_images(96, 1);
+  std::ostringstream sink;
+  auto losses = [&](std::int64_t logging_steps) {
+    TempDir dir;
+    TrainingArguments a = small_run(dir.path);
+    a.max_steps = 6;
+    a.logging_steps = logging_steps;
+    Trainer trainer(small_mlp(), a, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    std::vector<double> out;
+    for (auto& l : step_lines(dir.path)) out.push_back(l["loss"].get<double>());
+    return out;
+  };
+  const std::vector<double> each = losses(1), pairs = losses(2), rest = losses(4);
+  REQUIRE(each.size() == 6);
+  REQUIRE(pairs.size() == 3);
+  for (std::size_t i = 0; i < 3; ++i) CHECK(pairs[i] == doctest::Approx((each[2 * i] + each[2 * i + 1]) / 2).epsilon(1e-12));
+  // Steps 1-4, then the last line: steps 5 and 6.
+  REQUIRE(rest.size() == 2);
+  CHECK(rest[0] == doctest::Approx((each[0] + each[1] + each[2] + each[3]) / 4).epsilon(1e-12));
+  CHECK(rest[1] == doctest::Approx((each[4] + each[5]) / 2).epsilon(1e-12));
+}
+
+TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming what differs") {
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1), other_set = synthetic_images(80, 1);
+  std::ostringstream sink;
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = 4;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  {
+    Trainer trainer(small_mlp(), a, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+  }
+  a.max_steps = 6;
+  a.resume_from_checkpoint = "latest";
+  auto resume = [&](TrainingArguments b, const Dataset& data) {
+    Trainer trainer(small_mlp(), b, data);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+  };
+  TrainingArguments seed = a;
+  seed.seed = 7;
+  check_throws_with([&] { resume(seed, train_set); }, "was trained with seed 42, this run has 7");
+  TrainingArguments batch = a;
+  batch.gradient_accumulation_steps = 3;
+  check_throws_with([&] { resume(batch, train_set); }, "an effective batch of 16, this run has 24");
+  check_throws_with([&] { resume(a, other_set); }, "a training set of 96, this run has 80");
+  resume(a, train_set);  // the same run goes on
+  CHECK(checkpoint_steps(dir.path).back() == 6);
+}
+
+TEST_CASE("Trainer: an evaluation strategy without an evaluation dataset is refused") {
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(16, 1);
+  TrainingArguments a = small_run(dir.path);
+  a.eval_strategy = "steps";
+  check_throws_with([&] { Trainer(small_mlp(), a, train_set); },
+                    "eval_strategy = steps needs an evaluation dataset");
+}
+
+TEST_CASE("TrainingArguments: whole numbers, ranges and types are checked, naming the argument") {
+  auto from = [](const char* text) { return TrainingArguments::from_json(nlohmann::json::parse(text)); };
+  check_throws_with([&] { from(R"({"max_steps": 2.7})"); }, "'max_steps' must be a whole number, got 2.7");
+  check_throws_with([&] { from(R"({"seed": -1})"); }, "'seed' must be >= 0, got -1");
+  check_throws_with([&] { from(R"({"memory_budget": true})"); }, "'memory_budget' has the wrong type: true");
+  CHECK(from(R"({"max_steps": 3.0})").max_steps == 3);
+  check_throws_with([] { TrainingArguments{.warmup_steps = -5}.validate(); }, "warmup_steps must be >= 0, got -5");
+  check_throws_with([] { TrainingArguments{.eval_steps = -1}.validate(); }, "eval_steps must be >= 0");
+  check_throws_with([] { TrainingArguments{.weight_decay = -1}.validate(); }, "weight_decay must be >= 0");
+  check_throws_with([] { TrainingArguments{.adam_beta1 = 1.0}.validate(); }, "adam_beta1 must be in [0, 1)");
+  check_throws_with([] { TrainingArguments{.num_train_epochs = 1e300}.validate(); },
+                    "num_train_epochs must be in [0, 1e9]");
+}
+
 TEST_CASE("Trainer under a memory budget: peak within it every step, same weights as an unlimited run") {
   // f64, so that the comparison measures the accumulation: in f32, AdamW's first steps turn the
   // rounding differences of two summation orders in near-zero gradients (|g| ~ eps) into weight
@@ -348,6 +493,21 @@ TEST_CASE("kill -9 and resume: the resumed run ends with bitwise the same weight
     INFO(name);
     CHECK(t.to_vector() == b.tensors.at(name).to_vector());
   }
+}
+
+TEST_CASE("the command: a config file's keys go over the command's defaults, the rest stay") {
+  TempDir dir;
+  const fs::path config = dir.path / "args.json";
+  std::ofstream(config) << R"({"max_steps": 1, "logging_steps": 1})";
+  const std::string cmd = fmt::format(
+      "{} train --model gpt --dataset synthetic --synthetic-size 128 --vocab-size 32 --n-layer 1 --n-head 2 "
+      "--n-embd 16 --block-size 16 --use-cpu --config {} --output-dir {} > /dev/null 2>&1",
+      MB_CLI_PATH, config.string(), dir.path.string());
+  // Synthetic tokens have no evaluation split: the command's per-epoch evaluation is off for them.
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  std::vector<nlohmann::json> lines = step_lines(dir.path);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0]["micro_batch_size"] == 64);  // the command's default, not the library's 8
 }
 #endif
 
