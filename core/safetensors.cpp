@@ -1,8 +1,9 @@
 // safetensors I/O. Loading validates in this order, touching nothing sized from the file until
 // every check has passed: file length, header length N (<= 100 MB, inside the file), the header
-// bytes (starts with '{', UTF-8, JSON, no duplicate keys, no deeper nesting than the format has),
-// each entry (dtype, shape, checked byte count, data_offsets), the tiling of the data buffer by
-// the offsets, the checksums we wrote, the BOOL bytes; only then are tensors allocated and filled.
+// bytes (starts with '{', UTF-8, no NUL byte, JSON, no duplicate keys, no deeper nesting than the
+// format has), each entry (dtype, shape of at most 8 dims whose element count and strides fit in
+// int64, checked byte count, data_offsets), the tiling of the data buffer by the offsets, the
+// checksums we wrote, the BOOL bytes; only then are tensors allocated and filled.
 #include "core/safetensors.h"
 
 #include <fcntl.h>
@@ -130,41 +131,69 @@ std::optional<std::uint64_t> as_count(const json& v) {
   return std::nullopt;
 }
 
-/// Parses the header text, rejecting invalid JSON, duplicate keys at any level (nlohmann keeps
-/// the last one silently) and nesting deeper than a safetensors header has (objects of objects
-/// of arrays: depth 3).
-json parse_header_json(std::string_view text, const std::string& src) {
-  std::vector<std::set<std::string>> open_objects;  // the keys seen so far in each open object
-  std::string duplicate;
-  bool too_deep = false;
-  const json::parser_callback_t track = [&](int depth, json::parse_event_t event, json& parsed) {
-    switch (event) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start:
-        too_deep = too_deep || depth >= 3;
-        if (event == json::parse_event_t::object_start) open_objects.emplace_back();
-        break;
-      case json::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!open_objects.empty() && !open_objects.back().insert(parsed.get<std::string>()).second &&
-            duplicate.empty())
-          duplicate = parsed.get<std::string>();
-        break;
-      default:
-        break;
-    }
+/// Scans the header text without building anything, stopping at the first syntax error, key
+/// repeated within an object (nlohmann keeps the last one silently) or object or array nested
+/// deeper than a safetensors header has (objects of objects of arrays: depth 3).
+/// A callback on the DOM parse could check the same, but nlohmann's callback parser walks the
+/// parent object's entries each time a child object closes: quadratic in the tensor count.
+class HeaderScan {
+ public:
+  std::string error;  // why the scan stopped; empty while the header is acceptable
+
+  bool null() { return true; }
+  bool boolean(bool) { return true; }
+  bool number_integer(json::number_integer_t) { return true; }
+  bool number_unsigned(json::number_unsigned_t) { return true; }
+  bool number_float(json::number_float_t, const json::string_t&) { return true; }
+  bool string(json::string_t&) { return true; }
+  bool binary(json::binary_t&) { return true; }
+  bool start_object(std::size_t) {
+    if (!open()) return false;
+    keys_.emplace_back();
     return true;
-  };
-  json header;
-  try {
-    header = json::parse(text.begin(), text.end(), track);
-  } catch (const json::exception& e) {
-    ST_CHECK(false, src, "header is not valid JSON: {}", e.what());
   }
-  ST_CHECK(duplicate.empty(), src, "duplicate key '{}' in header", duplicate);
-  ST_CHECK(!too_deep, src, "header nests objects or arrays deeper than a safetensors header");
+  bool key(json::string_t& k) {
+    if (keys_.back().insert(k).second) return true;
+    error = fmt::format("duplicate key '{}' in header", k);
+    return false;
+  }
+  bool end_object() {
+    keys_.pop_back();
+    --depth_;
+    return true;
+  }
+  bool start_array(std::size_t) { return open(); }
+  bool end_array() {
+    --depth_;
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const json::exception& e) {
+    error = fmt::format("header is not valid JSON: {}", e.what());
+    return false;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 3;
+
+  bool open() {
+    if (depth_ == kMaxDepth) {
+      error = "header nests objects or arrays deeper than a safetensors header";
+      return false;
+    }
+    ++depth_;
+    return true;
+  }
+
+  int depth_ = 0;                            // objects and arrays open
+  std::vector<std::set<std::string>> keys_;  // the keys seen so far in each open object
+};
+
+/// Parses the header text once HeaderScan has accepted it, so the plain parse cannot fail.
+json parse_header_json(std::string_view text, const std::string& src) {
+  HeaderScan scan;
+  json::sax_parse(text.begin(), text.end(), &scan);
+  ST_CHECK(scan.error.empty(), src, "{}", scan.error);
+  json header = json::parse(text.begin(), text.end());
   ST_CHECK(header.is_object(), src, "header is a JSON {}, not an object", header.type_name());
   return header;
 }
@@ -191,17 +220,30 @@ Entry parse_entry(const std::string& src, const std::string& name, const json& i
 
   // Element and byte counts are multiplied with overflow checks: a shape like [2^62, 8] must not
   // wrap around to a small size that happens to match the offsets.
+  // A zero dim makes the element count 0 whatever the other dims are, but the strides are still
+  // products of the other dims (contiguous_strides), so the product of max(d, 1) must fit too.
   const json& shape = info["shape"];
   ST_CHECK(shape.is_array(), src, "tensor '{}': shape is a JSON {}, not an array", name,
            shape.type_name());
+  ST_CHECK(shape.size() <= static_cast<std::size_t>(kernels::kMaxDims), src,
+           "tensor '{}': shape has {} dims; at most {} are supported", name, shape.size(),
+           kernels::kMaxDims);
   constexpr auto kMaxCount = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
   std::uint64_t numel = 1;
+  std::uint64_t extent = 1;  // product of max(d, 1)
   for (std::size_t i = 0; i < shape.size(); ++i) {
     const auto d = as_count(shape[i]);
     ST_CHECK(d.has_value(), src, "tensor '{}': shape entry {} ({}) is not a non-negative integer",
              name, i, shape[i].dump());
     ST_CHECK(!__builtin_mul_overflow(numel, *d, &numel) && numel <= kMaxCount && *d <= kMaxCount, src,
              "tensor '{}': element count of shape {} overflows", name, shape.dump());
+    // Past the check above, extent > numel only for a shape with a zero dim.
+    ST_CHECK(!__builtin_mul_overflow(extent, std::max<std::uint64_t>(*d, 1), &extent) &&
+                 extent <= kMaxCount,
+             src,
+             "tensor '{}': shape {} has no elements but its other dims multiply past 2^63 - 1 "
+             "(its strides would overflow)",
+             name, shape.dump());
     e.shape.push_back(static_cast<std::int64_t>(*d));
   }
   std::uint64_t nbytes = 0;
@@ -348,7 +390,9 @@ void write_all(int fd, const void* data, std::size_t n, const std::string& path)
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path) {
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO would otherwise wait for a writer; the S_ISREG check below
+    // refuses it. It changes nothing for a regular file.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     MB_CHECK(fd >= 0, "[safetensors] {}: cannot open: {}", path, errno_text());
     struct stat st {};
     const bool stat_ok = ::fstat(fd, &st) == 0;
@@ -410,6 +454,11 @@ SafetensorsFile load_safetensors_bytes(std::span<const std::uint8_t> bytes, cons
   const std::size_t bad = invalid_utf8_at(text);
   ST_CHECK(bad == std::string_view::npos, src, "header is not valid UTF-8 (byte {} of the header)",
            bad);
+  // nlohmann's lexer takes a 0x00 byte for the end of its input: whatever follows one would be
+  // ignored without a word.
+  const std::size_t nul = text.find('\0');
+  ST_CHECK(nul == std::string_view::npos, src, "header holds a NUL byte (byte {} of the header)",
+           nul);
   const json header = parse_header_json(text, src);
 
   SafetensorsFile out;

@@ -2,13 +2,17 @@
 // for bit, 0-d, empty and non-contiguous inputs), the writer's layout read back by hand, the
 // atomic write, a file written by PyTorch plus hand-rolled Python, and every rejection of
 // REFERENCE.md "safetensors (what a reader must reject)" on bytes built here.
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <iterator>
 #include <limits>
 
@@ -267,6 +271,37 @@ TEST_CASE("safetensors: file errors name the file") {
   check_throws_with([&] { load_safetensors(dir.path.string()); }, "not a regular file");
 }
 
+TEST_CASE("safetensors: a FIFO is refused at once, not waited on for a writer") {
+  TempDir dir("mb_safetensors");
+  const fs::path fifo = dir.path / "pipe.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  auto load = std::async(std::launch::async, [&] { load_safetensors(fifo.string()); });
+  if (load.wait_for(std::chrono::seconds(2)) != std::future_status::ready) {
+    FAIL_CHECK("load_safetensors blocked on a FIFO");
+    // Connect a writer so that the blocked open() returns and the test can finish.
+    while (load.wait_for(std::chrono::milliseconds(10)) != std::future_status::ready) {
+      const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+      if (fd >= 0) ::close(fd);
+    }
+  }
+  check_throws_with([&] { load.get(); }, fifo.string() + ": not a regular file");
+}
+
+TEST_CASE("safetensors: a header of 20000 tensors loads (the parse is linear in the tensors)") {
+  // A count at which a parse quadratic in the tensor count takes seconds.
+  constexpr int kCount = 20000;
+  std::string header = "{";
+  for (int i = 0; i < kCount; ++i)
+    header += (i ? "," : "") +
+              entry(fmt::format("layer.{}.w", i), "U8", "[1]", fmt::format("[{},{}]", i, i + 1));
+  Bytes bytes = file_with(header + "}", kCount);
+  for (int i = 0; i < kCount; ++i)
+    bytes[bytes.size() - kCount + i] = static_cast<std::uint8_t>(i % 251);
+  const SafetensorsFile f = load_safetensors_bytes(bytes);
+  CHECK(f.tensors.size() == kCount);
+  CHECK(f.tensors.at("layer.12345.w").to_vector() == std::vector<double>{12345 % 251});
+}
+
 TEST_CASE("safetensors: a flipped data byte fails the checksum") {
   TempDir dir("mb_safetensors");
   const fs::path path = dir.path / "ckpt.safetensors";
@@ -352,6 +387,25 @@ TEST_CASE("safetensors rejects: header that is not UTF-8 JSON or has duplicate k
   check_rejected(file_with(R"({"x":[[[[1]]]]})"), {"deeper than a safetensors header"});
 }
 
+TEST_CASE("safetensors rejects: nesting too deep at its first level, reading no further") {
+  // Both headers are broken JSON past the first level too deep: naming the depth rather than the
+  // syntax error shows that the check stops there instead of reading (and building) the rest.
+  check_rejected(file_with("{\"x\":" + std::string(100'000, '[') + "not json"),
+                 {"deeper than a safetensors header"});
+  check_rejected(file_with(R"({"__metadata__":{"k":{"a":{}}}, oops)"),
+                 {"deeper than a safetensors header"});
+}
+
+TEST_CASE("safetensors rejects: a NUL byte in the header") {
+  // nlohmann's lexer takes 0x00 for the end of its input: unchecked, whatever follows a NUL
+  // would be ignored and the file would load.
+  const std::string w = "{" + entry("w", "U8", "[1]", "[0,1]") + "}";
+  check_rejected(file_with(w + std::string("\0 garbage {{{", 13), 1),
+                 {fmt::format("header holds a NUL byte (byte {} of the header)", w.size())});
+  check_rejected(file_with(w + std::string(1, '\0') + "  ", 1), {"NUL byte"});
+  check_rejected(file_with(R"({"w\u0000":)" + std::string(1, '\0')), {"NUL byte (byte 11 "});
+}
+
 TEST_CASE("safetensors rejects: entries with bad dtype, fields or shape") {
   check_rejected(file_with("{" + entry("w", "F8_E4M3", "[1]", "[0,1]") + "}", 1),
                  {"tensor 'w'", "unsupported dtype 'F8_E4M3'"});
@@ -391,6 +445,34 @@ TEST_CASE("safetensors rejects: element and byte counts that overflow") {
                  {"byte count", "overflows"});  // 2^61 * 8 = 2^64
   check_rejected(file_with("{" + entry("w", "I32", "[2305843009213693952]", "[0,0]") + "}"),
                  {"byte count", "overflows"});  // 2^63 > int64 max
+}
+
+TEST_CASE("safetensors rejects: a shape of more than 8 dims, naming the tensor") {
+  check_rejected(file_with("{" + entry("w", "F32", "[1,1,1,1,1,1,1,1,4]", "[0,16]") + "}", 16),
+                 {"tensor 'w': shape has 9 dims; at most 8 are supported"});
+  // Refused by its length, before its entries are read.
+  std::string long_shape = "[";
+  for (int i = 0; i < 100'000; ++i) long_shape += "0,";
+  check_rejected(file_with("{" + entry("w", "F32", long_shape + "\"x\"]", "[0,0]") + "}"),
+                 {"tensor 'w': shape has 100001 dims"});
+  const auto ok = load_safetensors_bytes(
+      file_with("{" + entry("w", "F32", "[1,1,1,1,1,1,1,4]", "[0,16]") + "}", 16));
+  CHECK(ok.tensors.at("w").dim() == 8);
+}
+
+TEST_CASE("safetensors rejects: a zero-element shape whose other dims overflow int64 strides") {
+  // 0 elements, but the strides are products of the other dims: 2^62 * 4 = 2^64 wraps.
+  check_rejected(file_with("{" + entry("w", "F32", "[0,4611686018427387904,4]", "[0,0]") + "}"),
+                 {"tensor 'w'", "shape [0,4611686018427387904,4] has no elements but its other "
+                                "dims multiply past 2^63 - 1"});
+  check_rejected(
+      file_with("{" + entry("w", "U8", "[1099511627776,0,1099511627776]", "[0,0]") + "}"),
+      {"tensor 'w'", "multiply past 2^63 - 1"});
+  // The largest that fits loads, with strides in range.
+  const auto ok = load_safetensors_bytes(
+      file_with("{" + entry("w", "F32", "[0,9223372036854775807]", "[0,0]") + "}"));
+  CHECK(ok.tensors.at("w").numel() == 0);
+  CHECK(ok.tensors.at("w").strides() == Shape{std::numeric_limits<std::int64_t>::max(), 1});
 }
 
 TEST_CASE("safetensors rejects: data_offsets malformed or not matching the shape") {
