@@ -5,7 +5,6 @@
 // on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
 #include <CLI/CLI.hpp>
 
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -97,11 +96,10 @@ void add_model_flags(CLI::App& cmd, Options& o) {
 mb::train::TrainingArguments training_arguments(Options& o) {
   nlohmann::json j = command_defaults().to_json();
   if (!o.config.empty()) {
-    // The file's own keys over the command's defaults (load() checks them; its result would carry
-    // the library's defaults for every key the file leaves out).
-    (void)mb::train::TrainingArguments::load(o.config);
-    std::ifstream in(o.config);
-    const nlohmann::json file = nlohmann::json::parse(in);
+    // The file's own keys over the command's defaults (from_json checks them; its result would
+    // carry the library's defaults for every key the file leaves out).
+    const nlohmann::json file = mb::train::read_arguments_file(o.config);
+    (void)mb::train::TrainingArguments::from_json(file);
     j.update(file);
     o.eval_strategy_given = file.contains("eval_strategy");
   }

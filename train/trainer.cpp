@@ -4,11 +4,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <deque>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <set>
 
 #include "optim/boundary_step.h"
@@ -310,41 +312,81 @@ TrainOutput Trainer::train() {
       point = ResumePoint{args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
     }
     const nlohmann::json& st = point->data.trainer_state;
+    // The state passed its CRC, but a CRC says nothing of what wrote it: every field is checked
+    // for its type and range, and a malformed one names itself rather than aborting the run.
+    const std::string state_file = (fs::path(point->path) / "trainer_state.json").string();
+    auto count = [&](const char* name) -> std::int64_t {
+      MB_CHECK(st.contains(name), "[Trainer] {} has no '{}'", state_file, name);
+      const nlohmann::json& v = st.at(name);
+      const bool ok = v.is_number_unsigned()
+                          ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT64_MAX)
+                          : v.is_number_integer() && v.get<std::int64_t>() >= 0;
+      MB_CHECK(ok, "[Trainer] {}: '{}' must be a whole number >= 0, got {}", state_file, name,
+               v.is_number() ? v.dump() : fmt::format("a JSON {}", v.type_name()));
+      return v.get<std::int64_t>();
+    };
+    auto word = [&](const char* name) -> std::uint64_t {
+      MB_CHECK(st.contains(name) && st.at(name).is_number_unsigned(),
+               "[Trainer] {}: '{}' must be an unsigned whole number", state_file, name);
+      return st.at(name).get<std::uint64_t>();
+    };
+    MB_CHECK(st.is_object(), "[Trainer] {} is not a JSON object", state_file);
+    const std::int64_t saved_step = count("global_step"), saved_epoch = count("epoch"),
+                       saved_window = count("window"), saved_samples = count("samples"),
+                       saved_tokens = count("tokens"), saved_scheduler = count("scheduler_steps"),
+                       saved_skipped = st.contains("skipped_steps") ? count("skipped_steps") : 0;
+    const std::uint64_t rng_seed = word("rng_seed"), rng_offset = word("rng_offset");
+    MB_CHECK(st.contains("loss_sum") && st.at("loss_sum").is_number(),
+             "[Trainer] {}: 'loss_sum' must be a number", state_file);
+    MB_CHECK(saved_scheduler <= saved_step && saved_skipped <= saved_step,
+             "[Trainer] {}: {} schedule steps and {} skipped steps in {} optimizer steps", state_file,
+             saved_scheduler, saved_skipped, saved_step);
     // Note [Resuming the same run]: the checkpoint's window counts batches of its own effective
     // batch, drawn in its own seed's order from its own training set; with any of them changed, the
     // resumed run would repeat or skip examples without a word. Refuse, naming what differs.
-    const nlohmann::json saved_args = st.value("args", nlohmann::json::object());
-    const nlohmann::json saved_plan = st.value("plan", nlohmann::json::object());
-    auto same = [&](const char* what, const nlohmann::json& saved, std::int64_t now, const char* hint) {
-      MB_CHECK(saved.is_null() || saved.get<std::int64_t>() == now,
-               "[Trainer] cannot resume from {}: it was trained with {} {}, this run has {}; the data "
-               "order would differ ({})", point->path, what, saved.dump(), now, hint);
+    auto saved_value = [&](const char* object, const char* name) -> std::optional<std::int64_t> {
+      const nlohmann::json* holder = &st;
+      if (object != nullptr) {
+        if (!st.contains(object)) return std::nullopt;
+        MB_CHECK(st.at(object).is_object(), "[Trainer] {}: '{}' must be a JSON object", state_file, object);
+        holder = &st.at(object);
+      }
+      if (!holder->contains(name)) return std::nullopt;
+      const nlohmann::json& v = holder->at(name);
+      MB_CHECK(v.is_number_integer(), "[Trainer] {}: '{}' must be a whole number", state_file, name);
+      return v.get<std::int64_t>();
     };
-    same("seed", saved_args.value("seed", nlohmann::json()), static_cast<std::int64_t>(args_.seed),
-         "pass the same seed");
-    same("an effective batch of", saved_plan.value("effective_batch", nlohmann::json()),
-         plan_.effective_batch, "keep per_device_train_batch_size x gradient_accumulation_steps");
-    same("a training set of", st.value("train_examples", nlohmann::json()), train_set_.size(),
+    auto same = [&](const char* what, std::optional<std::int64_t> saved, std::int64_t now, const char* hint) {
+      MB_CHECK(!saved || *saved == now,
+               "[Trainer] cannot resume from {}: it was trained with {} {}, this run has {}; the data "
+               "order would differ ({})", point->path, what, *saved, now, hint);
+    };
+    same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed), "pass the same seed");
+    same("an effective batch of", saved_value("plan", "effective_batch"), plan_.effective_batch,
+         "keep per_device_train_batch_size x gradient_accumulation_steps");
+    same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
          "train on the same data");
-    MB_CHECK(st.at("window").get<std::int64_t>() <= windows_per_epoch,
+    MB_CHECK(saved_window <= windows_per_epoch,
              "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this run's epochs "
-             "have {} windows", point->path, st.at("window").get<std::int64_t>(), windows_per_epoch);
+             "have {} windows", point->path, saved_window, windows_per_epoch);
     try {
       store.load_master_state(point->data.model);
       adamw.load_state_dict(point->data.optimizer);
+      if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
     } catch (const Error& e) {
-      MB_CHECK(false, "[Trainer] {} does not fit this model: {}", point->path, e.what());
+      MB_CHECK(false, "[Trainer] {} does not fit this run: {}", point->path, e.what());
+    } catch (const nlohmann::json::exception& e) {
+      MB_CHECK(false, "[Trainer] {}: the loss scaler's state is malformed: {}", state_file, e.what());
     }
-    if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
-    skipped = st.value("skipped_steps", std::int64_t{0});
-    step = st.at("global_step").get<std::int64_t>();
-    epoch = st.at("epoch").get<std::int64_t>();
-    window = st.at("window").get<std::int64_t>();
-    samples = st.at("samples").get<std::int64_t>();
-    tokens = st.at("tokens").get<std::int64_t>();
+    skipped = saved_skipped;
+    step = saved_step;
+    epoch = saved_epoch;
+    window = saved_window;
+    samples = saved_samples;
+    tokens = saved_tokens;
     loss_sum = st.at("loss_sum").get<double>();
-    scheduler.set_steps(st.at("scheduler_steps").get<std::int64_t>());
-    default_generator().set_state({st.at("rng_seed").get<std::uint64_t>(), st.at("rng_offset").get<std::uint64_t>()});
+    scheduler.set_steps(saved_scheduler);
+    default_generator().set_state({rng_seed, rng_offset});
     const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
     log_file << event.dump() << "\n";
     if (args_.json) {

@@ -2,7 +2,9 @@
 
 #include <cctype>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
+#include <limits>
 #include <type_traits>
 
 #include "core/error.h"
@@ -112,7 +114,11 @@ BatchTriad resolve_batch_triad(const TrainingArguments& a) {
   if (a.train_batch_size == 0) {
     MB_CHECK(micro != kAutoBatch, "[TrainingArguments] per_device_train_batch_size = auto needs train_batch_size "
              "(the effective batch to hold fixed)");
-    return {micro * steps, micro, steps};
+    std::int64_t effective = 0;
+    MB_CHECK(!__builtin_mul_overflow(micro, steps, &effective),
+             "[TrainingArguments] per_device_train_batch_size {} x gradient_accumulation_steps {} overflows",
+             micro, steps);
+    return {effective, micro, steps};
   }
   const std::int64_t effective = a.train_batch_size;
   if (micro == kAutoBatch) {
@@ -124,9 +130,10 @@ BatchTriad resolve_batch_triad(const TrainingArguments& a) {
   if (steps == 1) {  // derive the accumulation steps; the window's last micro-batch may be smaller
     return {effective, std::min(micro, effective), (effective + micro - 1) / micro};
   }
-  MB_CHECK(micro * steps == effective,
+  std::int64_t product = 0;
+  MB_CHECK(!__builtin_mul_overflow(micro, steps, &product) && product == effective,
            "[TrainingArguments] per_device_train_batch_size {} x gradient_accumulation_steps {} = {} "
-           "does not equal train_batch_size {}; give two of the three", micro, steps, micro * steps, effective);
+           "does not equal train_batch_size {}; give two of the three", micro, steps, product, effective);
   return {effective, micro, steps};
 }
 
@@ -171,6 +178,16 @@ nlohmann::json TrainingArguments::to_json() const {
   return j;
 }
 
+namespace {
+// A value for an error message: a number or a short string as written, anything else by its type
+// (a dump of an arbitrary value could be megabytes, or nest deeper than the stack).
+std::string shown(const nlohmann::json& v) {
+  if (v.is_number() || v.is_boolean() || v.is_null()) return v.dump();
+  if (v.is_string() && v.get_ref<const std::string&>().size() <= 64) return v.dump();
+  return fmt::format("a JSON {}", v.type_name());
+}
+}  // namespace
+
 TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   MB_CHECK(j.is_object(), "[TrainingArguments] expected a JSON object");
   TrainingArguments a;
@@ -183,18 +200,24 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
     const nlohmann::json& v = j.at(name);
     using Field = std::decay_t<decltype(field)>;
     if constexpr (std::is_integral_v<Field> && !std::is_same_v<Field, bool>) {
-      if (!v.is_number()) MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, v.dump());
-      // JSON's get_to would truncate 2.7 to 2 and wrap -1 into an unsigned seed: refuse both.
+      if (!v.is_number()) MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, shown(v));
+      // JSON's get_to would truncate 2.7 to 2, wrap -1 into an unsigned seed and 1e19 into a
+      // negative count: refuse all three.
       MB_CHECK(v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
                                          std::trunc(v.get<double>()) == v.get<double>()),
-               "[TrainingArguments] '{}' must be a whole number, got {}", name, v.dump());
+               "[TrainingArguments] '{}' must be a whole number, got {}", name, shown(v));
       MB_CHECK(!std::is_unsigned_v<Field> || v.get<double>() >= 0,
-               "[TrainingArguments] '{}' must be >= 0, got {}", name, v.dump());
+               "[TrainingArguments] '{}' must be >= 0, got {}", name, shown(v));
+      const bool fits = v.is_number_unsigned()
+                            ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(
+                                                            std::numeric_limits<Field>::max())
+                            : v.get<double>() < std::ldexp(1.0, std::numeric_limits<Field>::digits);
+      MB_CHECK(fits, "[TrainingArguments] '{}' is out of range: {}", name, shown(v));
     }
     try {
       v.get_to(field);
     } catch (const nlohmann::json::exception&) {
-      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, v.dump());
+      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, shown(v));
     }
   };
   get("output_dir", a.output_dir);
@@ -202,7 +225,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
     const auto& v = j.at("per_device_train_batch_size");
     if (v.is_string()) {
       MB_CHECK(v.get<std::string>() == "auto", "[TrainingArguments] per_device_train_batch_size must be a number "
-               "or \"auto\", got {}", v.dump());
+               "or \"auto\", got {}", shown(v));
       a.per_device_train_batch_size = kAutoBatch;
     } else {
       get("per_device_train_batch_size", a.per_device_train_batch_size);
@@ -249,16 +272,27 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   return a;
 }
 
-TrainingArguments TrainingArguments::load(const std::string& path) {
+nlohmann::json read_arguments_file(const std::string& path) {
+  std::error_code ec;
+  MB_CHECK(std::filesystem::is_regular_file(path, ec), "[TrainingArguments] '{}' is not a readable file{}",
+           path, std::filesystem::exists(path, ec) ? "" : " (it does not exist)");
   std::ifstream in(path);
   MB_CHECK(in.good(), "[TrainingArguments] cannot open '{}'", path);
-  nlohmann::json j;
+  // An arguments file is one flat object: anything past a few hundred kilobytes is not one.
+  MB_CHECK(std::filesystem::file_size(path, ec) <= (1 << 20), "[TrainingArguments] '{}' is {} bytes: too large "
+           "for an arguments file", path, std::filesystem::file_size(path, ec));
   try {
-    j = nlohmann::json::parse(in);
+    return nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     MB_CHECK(false, "[TrainingArguments] '{}' is not valid JSON: {}", path, e.what());
+  } catch (const std::ios_base::failure& e) {
+    MB_CHECK(false, "[TrainingArguments] cannot read '{}': {}", path, e.what());
   }
-  return from_json(j);
+  return {};
+}
+
+TrainingArguments TrainingArguments::load(const std::string& path) {
+  return from_json(read_arguments_file(path));
 }
 
 }  // namespace microbatch::train

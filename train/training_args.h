@@ -69,8 +69,13 @@ struct TrainingArguments {
   nlohmann::json to_json() const;
   /// Reads the arguments from JSON objects with these names; unknown names are refused.
   static TrainingArguments from_json(const nlohmann::json& j);
+  /// from_json of an arguments file (read_arguments_file).
   static TrainingArguments load(const std::string& path);
 };
+
+/// The JSON of an arguments file: a regular file of at most 1 MiB holding valid JSON, else an
+/// error naming the path and what is wrong.
+nlohmann::json read_arguments_file(const std::string& path);
 
 /// "512MiB", "2GB", "1.5GiB", "1000000" -> bytes (KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024).
 std::int64_t parse_bytes(const std::string& text);

@@ -14,6 +14,7 @@
 #include "core/safetensors.h"
 #include "tests/core/harness.h"
 #include "train/accumulation_check.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 
 using namespace microbatch;
@@ -284,6 +285,58 @@ TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming
   check_throws_with([&] { resume(a, other_set); }, "a training set of 96, this run has 80");
   resume(a, train_set);  // the same run goes on
   CHECK(checkpoint_steps(dir.path).back() == 6);
+}
+
+TEST_CASE("Trainer: a malformed trainer state names its field instead of aborting the run") {
+  // The checkpoint's CRCs are rewritten for the edited state, as anything that rewrites a
+  // checkpoint whole would: the fields themselves are what is checked.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1);
+  std::ostringstream sink;
+  TrainingArguments a = small_run(dir.path / "run");
+  a.max_steps = 2;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  {
+    Trainer trainer(small_mlp(), a, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+  }
+  const CheckpointData good = load_checkpoint((dir.path / "run" / "checkpoint-2").string());
+  auto resume_with = [&](const char* field, nlohmann::json value) {
+    CheckpointData edited = good;
+    edited.trainer_state[field] = std::move(value);
+    const fs::path out = dir.path / field;
+    const std::string path = save_checkpoint(out.string(), 2, edited, 0);
+    TrainingArguments b = small_run(out);
+    b.max_steps = 4;
+    b.resume_from_checkpoint = path;
+    Trainer trainer(small_mlp(), b, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+  };
+  check_throws_with([&] { resume_with("global_step", -5); }, "'global_step' must be a whole number >= 0, got -5");
+  check_throws_with([&] { resume_with("window", "x"); }, "'window' must be a whole number >= 0, got a JSON string");
+  check_throws_with([&] { resume_with("epoch", 1.5); }, "'epoch' must be a whole number >= 0, got 1.5");
+  check_throws_with([&] { resume_with("scheduler_steps", 100); }, "100 schedule steps and 0 skipped steps in 2");
+  check_throws_with([&] { resume_with("args", nlohmann::json::array({1})); }, "'args' must be a JSON object");
+}
+
+TEST_CASE("TrainingArguments: out-of-range numbers, deep values and overflowing batches are refused") {
+  auto from = [](const std::string& text) { return TrainingArguments::from_json(nlohmann::json::parse(text)); };
+  check_throws_with([&] { from(R"({"max_steps": 1e19})"); }, "'max_steps' is out of range: 1e+19");
+  check_throws_with([&] { from(R"({"max_steps": 18446744073709551615})"); }, "'max_steps' is out of range");
+  check_throws_with([&] { from(R"({"seed": 1e20})"); }, "'seed' is out of range");
+  // A value nested 200,000 deep: named by its type, never printed whole.
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  check_throws_with([&] { from(R"({"max_steps": )" + deep + "}"); }, "'max_steps' has the wrong type: a JSON array");
+  check_throws_with([&] { from(R"({"output_dir": )" + deep + "}"); }, "'output_dir' has the wrong type: a JSON array");
+  check_throws_with([] { resolve_batch_triad({.per_device_train_batch_size = std::int64_t{1} << 62,
+                                              .gradient_accumulation_steps = 4}); },
+                    "per_device_train_batch_size 4611686018427387904 x gradient_accumulation_steps 4 overflows");
+  TempDir dir;
+  check_throws_with([&] { TrainingArguments::load(dir.path.string()); }, "is not a readable file");
+  check_throws_with([&] { TrainingArguments::load((dir.path / "none.json").string()); }, "(it does not exist)");
 }
 
 TEST_CASE("Trainer: an evaluation strategy without an evaluation dataset is refused") {
