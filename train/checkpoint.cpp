@@ -22,6 +22,7 @@
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <span>
 #include <string_view>
 #include <system_error>
@@ -50,6 +51,11 @@ constexpr std::string_view kScratchPrefix = ".checkpoint-";
 constexpr const char* kManifestFiles[] = {kCheckpointModelFile, kCheckpointOptimizerFile,
                                           kCheckpointStateFile};
 constexpr std::size_t kReadChunk = std::size_t{1} << 20;
+// A manifest is a few hundred bytes of {"files": {name: {"bytes", "crc32"}}}: a bigger or deeper
+// marker is damage, refused before it is read whole or parsed (and later recursed) to the end.
+constexpr std::uint64_t kMaxMarkerBytes = std::uint64_t{1} << 20;
+constexpr int kMaxMarkerDepth = 3;  // the manifest, its "files", and each file's entry
+constexpr std::size_t kMaxShownChars = 60;
 
 std::string errno_text() { return std::error_code(errno, std::generic_category()).message(); }
 
@@ -131,35 +137,84 @@ json write_part(const fs::path& folder, const char* name, std::span<const std::u
   return json{{"bytes", bytes.size()}, {"crc32", fmt::format("{:08x}", checksum_crc32(bytes))}};
 }
 
-/// The whole content of a small file (the marker, trainer_state.json).
-std::string read_text(const fs::path& file, const std::string& where) {
-  FileDescriptor fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
-  CK_CHECK(fd.get() >= 0, where, "cannot open {}: {}", file.filename().string(), errno_text());
+/// open(2) for reading that never waits: without O_NONBLOCK a FIFO where a file belongs would
+/// block until a writer comes. The flag changes nothing for the reads of a regular file.
+int open_for_reading(const fs::path& file) {
+  return ::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+}
+
+/// The size of the open file `fd`, which must be a regular file (`what` names it in the message).
+std::uint64_t regular_file_size(int fd, const std::string& what, const std::string& where) {
+  struct stat st {};
+  CK_CHECK(::fstat(fd, &st) == 0, where, "cannot stat {}: {}", what, errno_text());
+  CK_CHECK(S_ISREG(st.st_mode), where, "{} is not a regular file", what);
+  return static_cast<std::uint64_t>(st.st_size);
+}
+
+/// The whole content of a small regular file (the marker, trainer_state.json), refused when it
+/// holds more than `max_bytes`; `what` names the file in the messages.
+std::string read_text(const fs::path& file, const std::string& what, std::uint64_t max_bytes,
+                      const std::string& where) {
+  FileDescriptor fd(open_for_reading(file));
+  CK_CHECK(fd.get() >= 0, where, "cannot open {}: {}", what, errno_text());
+  const std::uint64_t size = regular_file_size(fd.get(), what, where);
+  const auto check_size = [&](std::uint64_t bytes) {
+    CK_CHECK(bytes <= max_bytes, where, "{} is {} bytes, over its limit of {}: it is damaged", what,
+             bytes, max_bytes);
+  };
+  check_size(size);
   std::string text;
   char buf[65536];
   for (;;) {
     const ::ssize_t n = ::read(fd.get(), buf, sizeof buf);
     if (n < 0 && errno == EINTR) continue;
-    CK_CHECK(n >= 0, where, "reading {} failed: {}", file.filename().string(), errno_text());
+    CK_CHECK(n >= 0, where, "reading {} failed: {}", what, errno_text());
     if (n == 0) return text;
     text.append(buf, static_cast<std::size_t>(n));
+    check_size(text.size());  // it may have grown since fstat
   }
+}
+
+/// A marker value for an error message, never all of it: a damaged marker may hold any value, and
+/// dump() recurses once per level of nesting. Scalars are shown as JSON, cut to kMaxShownChars.
+std::string shown(const json& value) {
+  if (value.is_structured()) return fmt::format("a JSON {}", value.type_name());
+  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (text.size() <= kMaxShownChars) return text;
+  std::size_t cut = kMaxShownChars;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // whole UTF-8
+  return text.substr(0, cut) + "...";
+}
+
+/// Whether `value` is a CRC-32 as the writer records it: eight lowercase hex digits.
+bool is_crc_text(const json& value) {
+  if (!value.is_string()) return false;
+  const auto& text = value.get_ref<const std::string&>();
+  return text.size() == 8 && std::all_of(text.begin(), text.end(), [](char c) {
+           return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+         });
 }
 
 /// Checks a file against its manifest entry: the size first (a truncated file is named as such
 /// without reading it), then the CRC-32 of its bytes, read in chunks.
 void verify_part(const fs::path& folder, const std::string& name, const json& entry, const std::string& where) {
-  CK_CHECK(entry.is_object() && entry.contains("bytes") && entry["bytes"].is_number_unsigned() &&
-               entry.contains("crc32") && entry["crc32"].is_string(),
-           where, "the COMPLETE marker's entry for {} is damaged: {}", name, entry.dump());
-  const auto expected_size = entry["bytes"].get<std::uint64_t>();
-  const auto expected_crc = entry["crc32"].get<std::string>();
+  CK_CHECK(entry.is_object(), where, "the {} marker's entry for {} is damaged: {}, not an object",
+           kCheckpointMarkerFile, name, shown(entry));
+  const auto member = [&](const char* key) {
+    return entry.contains(key) ? shown(entry.at(key)) : std::string("missing");
+  };
+  CK_CHECK(entry.contains("bytes") && entry.at("bytes").is_number_unsigned(), where,
+           "the {} marker's entry for {} is damaged: bytes {}", kCheckpointMarkerFile, name,
+           member("bytes"));
+  CK_CHECK(entry.contains("crc32") && is_crc_text(entry.at("crc32")), where,
+           "the {} marker's entry for {} is damaged: crc32 {}", kCheckpointMarkerFile, name,
+           member("crc32"));
+  const auto expected_size = entry.at("bytes").get<std::uint64_t>();
+  const auto expected_crc = entry.at("crc32").get<std::string>();
   const fs::path file = folder / name;
-  FileDescriptor fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));
+  FileDescriptor fd(open_for_reading(file));
   CK_CHECK(fd.get() >= 0, where, "{} is listed in the manifest but cannot be opened: {}", name, errno_text());
-  struct stat st {};
-  CK_CHECK(::fstat(fd.get(), &st) == 0 && S_ISREG(st.st_mode), where, "{} is not a regular file", name);
-  const auto size = static_cast<std::uint64_t>(st.st_size);
+  const std::uint64_t size = regular_file_size(fd.get(), name, where);
   CK_CHECK(size >= expected_size, where, "{} is {} bytes but the manifest records {}: the file is truncated",
            name, size, expected_size);
   CK_CHECK(size == expected_size, where,
@@ -322,15 +377,30 @@ CheckpointData load_checkpoint(const std::string& path) {
   const fs::path folder(path);
   std::error_code ec;
   CK_CHECK(fs::is_directory(folder, ec), path, "no such checkpoint folder");
-  CK_CHECK(has_marker(folder), path,
+  // Present but not a regular file (a folder, a FIFO) is named as such by read_text.
+  CK_CHECK(fs::exists(folder / kCheckpointMarkerFile, ec), path,
            "no {} marker: the save was interrupted or this folder is not a checkpoint", kCheckpointMarkerFile);
 
-  const std::string marker_text = read_text(folder / kCheckpointMarkerFile, path);
+  const std::string marker_name = fmt::format("the {} marker", kCheckpointMarkerFile);
+  const std::string marker_text =
+      read_text(folder / kCheckpointMarkerFile, marker_name, kMaxMarkerBytes, path);
+  // nlohmann's parser takes a NUL byte for the end of the input: what follows would pass unread.
+  const std::size_t nul = marker_text.find('\0');
+  CK_CHECK(nul == std::string::npos, path, "{} is damaged: a NUL byte at offset {}", marker_name,
+           nul);
   json manifest;
   try {
-    manifest = json::parse(marker_text);
+    // The callback stops a deeply nested marker at the first level too many, before it is built.
+    manifest = json::parse(marker_text, [&](int depth, json::parse_event_t event, json&) {
+      const bool opens = event == json::parse_event_t::object_start ||
+                         event == json::parse_event_t::array_start;
+      CK_CHECK(!opens || depth < kMaxMarkerDepth, path,
+               "{} is damaged: it nests deeper than the {} levels of a manifest", marker_name,
+               kMaxMarkerDepth);
+      return true;
+    });
   } catch (const json::exception& e) {
-    CK_CHECK(false, path, "the {} marker is damaged, not valid JSON: {}", kCheckpointMarkerFile, e.what());
+    CK_CHECK(false, path, "{} is damaged, not valid JSON: {}", marker_name, e.what());
   }
   const auto field = [&](const char* key) -> const json& {
     CK_CHECK(manifest.is_object() && manifest.contains(key), path, "the {} marker is damaged: it has no \"{}\"",
@@ -338,18 +408,20 @@ CheckpointData load_checkpoint(const std::string& path) {
     return manifest.at(key);
   };
   CK_CHECK(field("format") == kFormatName, path, "the {} marker is damaged or not ours: format {}",
-           kCheckpointMarkerFile, field("format").dump());
+           kCheckpointMarkerFile, shown(field("format")));
   CK_CHECK(field("version") == kFormatVersion, path,
-           "checkpoint format version {} is not supported (this build reads version {})", field("version").dump(),
-           kFormatVersion);
+           "checkpoint format version {} is not supported (this build reads version {})",
+           shown(field("version")), kFormatVersion);
   const json& step = field("step");
-  CK_CHECK(step.is_number_integer(), path, "the {} marker is damaged: step {}", kCheckpointMarkerFile, step.dump());
+  CK_CHECK(step.is_number_integer(), path, "the {} marker is damaged: step {}",
+           kCheckpointMarkerFile, shown(step));
   // A renamed folder (or a flipped digit) would sort and resume under the wrong step.
   if (const auto named = parse_step(folder.filename().string()))
     CK_CHECK(step.get<std::int64_t>() == *named, path, "the folder is named for step {} but its {} records step {}",
-             *named, kCheckpointMarkerFile, step.dump());
+             *named, kCheckpointMarkerFile, shown(step));
   const json& files = field("files");
-  CK_CHECK(files.is_object(), path, "the {} marker is damaged: files {}", kCheckpointMarkerFile, files.dump());
+  CK_CHECK(files.is_object(), path, "the {} marker is damaged: files {}", kCheckpointMarkerFile,
+           shown(files));
   for (const char* name : kManifestFiles) {
     CK_CHECK(files.contains(name), path, "the {} marker is damaged: it does not list {}", kCheckpointMarkerFile,
              name);
@@ -369,7 +441,9 @@ CheckpointData load_checkpoint(const std::string& path) {
   out.model = load_tensors(kCheckpointModelFile);
   out.optimizer = load_tensors(kCheckpointOptimizerFile);
   try {
-    out.trainer_state = json::parse(read_text(folder / kCheckpointStateFile, path));
+    // Its size already matches the manifest, so it needs no limit of its own.
+    out.trainer_state = json::parse(read_text(folder / kCheckpointStateFile, kCheckpointStateFile,
+                                              std::numeric_limits<std::uint64_t>::max(), path));
   } catch (const json::exception& e) {
     CK_CHECK(false, path, "{} is not valid JSON: {}", kCheckpointStateFile, e.what());
   }
@@ -389,15 +463,22 @@ std::optional<ResumePoint> load_latest_checkpoint(const std::string& output_dir)
   const auto folders = step_folders(output_dir);
   ResumePoint point;
   for (auto it = folders.rbegin(); it != folders.rend(); ++it) {
+    const std::string path = it->second.string();
+    std::string reason;
     try {
-      point.data = load_checkpoint(it->second.string());
-      point.path = it->second.string();
+      point.data = load_checkpoint(path);
+      point.path = path;
       return point;
     } catch (const Error& e) {
-      point.refused.push_back(e.what());
-      fmt::print(stderr, "warning: {}; {}\n", e.what(),
-                 std::next(it) == folders.rend() ? "no older checkpoint remains" : "trying the previous checkpoint");
+      reason = e.what();
+    } catch (const std::exception& e) {
+      // Whatever else stops it (memory, say) still only disqualifies this one checkpoint.
+      reason = fmt::format("[checkpoint] {}: cannot be read: {}", path, e.what());
     }
+    const bool last = std::next(it) == folders.rend();
+    fmt::print(stderr, "warning: {}; {}\n", reason,
+               last ? "no older checkpoint remains" : "trying the previous checkpoint");
+    point.refused.push_back(std::move(reason));
   }
   return std::nullopt;
 }

@@ -40,8 +40,9 @@ std::string save_checkpoint(const std::string& output_dir, std::int64_t step, co
                             std::int64_t save_total_limit);
 
 /// Reads and validates one checkpoint folder (marker present, manifest parses, every file's size and
-/// checksum as recorded in trainer_state.json / the COMPLETE marker, safetensors validation). Throws
-/// microbatch::Error "[checkpoint] <path>: <what is wrong>".
+/// checksum as recorded in trainer_state.json / the COMPLETE marker, safetensors validation). A file
+/// that is not a regular one, or a marker over 1 MiB or nested deeper than a manifest, is refused
+/// before it is read. Throws microbatch::Error "[checkpoint] <path>: <what is wrong>".
 CheckpointData load_checkpoint(const std::string& path);
 
 /// The complete checkpoints under output_dir, oldest step first (folders named checkpoint-<step>
@@ -55,8 +56,8 @@ struct ResumePoint {
   std::vector<std::string> refused;
 };
 
-/// The newest checkpoint that loads; each newer one refused is reported in `refused` with its reason
-/// (and a warning line on stderr). nullopt when there is none.
+/// The newest checkpoint that loads; each newer one refused, whatever the exception, is reported in
+/// `refused` with its reason (and a warning line on stderr). nullopt when there is none.
 std::optional<ResumePoint> load_latest_checkpoint(const std::string& output_dir);
 
 }  // namespace microbatch::train

@@ -18,6 +18,8 @@ namespace {
 constexpr std::uint32_t kGzipMagic = 0x1F8B0808;  // gzip id bytes, deflate, FNAME flag
 // Images and labels together stay below 4 GiB, and no count read from a file sizes more than that.
 constexpr std::uint64_t kMaxItems = (std::uint64_t{1} << 32) / (28 * 28);
+// Decompressed bytes read per step; the whole training set is about three of them.
+constexpr std::size_t kReadChunk = std::size_t{16} << 20;
 
 std::uint32_t read_be32(const std::uint8_t* p) {
   return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
@@ -133,14 +135,23 @@ IdxData read_idx_u8(const std::string& path, std::uint8_t ndim, const char* kind
   std::uint64_t numel = 1;
   for (std::uint32_t dim : idx.dims) numel *= dim;
 
-  idx.bytes.resize(static_cast<std::size_t>(numel));
-  got = in.read(idx.bytes.data(), idx.bytes.size());
-  MB_CHECK(got == idx.bytes.size(), "[FashionMNIST] {}: truncated: expected {} bytes, got {}", path,
-           header_bytes + idx.bytes.size(), header_bytes + got);
+  // The buffer grows as the data arrives rather than to the header's claim up front: a header
+  // claiming 4 GiB in a file of a few bytes is found truncated with memory for what is there.
+  while (idx.bytes.size() < numel) {
+    const std::size_t have = idx.bytes.size();
+    const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(numel - have, kReadChunk));
+    idx.bytes.resize(have + want);
+    got = in.read(idx.bytes.data() + have, want);
+    idx.bytes.resize(have + got);
+    if (got < want) break;
+  }
+  MB_CHECK(idx.bytes.size() == numel, "[FashionMNIST] {}: truncated: expected {} bytes, got {}",
+           path, header_bytes + numel, header_bytes + idx.bytes.size());
   std::uint8_t extra = 0;
   MB_CHECK(in.read(&extra, 1) == 0,
            "[FashionMNIST] {}: trailing bytes after the {} bytes that the IDX header describes", path,
-           header_bytes + idx.bytes.size());
+           header_bytes + numel);
+  idx.bytes.shrink_to_fit();  // the doubling growth may have reserved up to twice the data
   return idx;
 }
 

@@ -3,6 +3,7 @@
 #include "train/text.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <string_view>
@@ -108,9 +109,22 @@ TextDataset::TextDataset(const std::string& path, TextOptions options)
   MB_CHECK(options.split == Split::Train || options.split == Split::Val,
            "[TextDataset] has no {} split; use Split::Train or Split::Val", split_name(options.split));
 
+  // A folder opens as a stream whose first read throws, and a FIFO blocks the open until a
+  // writer comes: only a regular file is read.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  MB_CHECK(std::filesystem::exists(status), "[TextDataset] cannot open {}: {}", path,
+           ec ? ec.message() : "it does not exist");
+  MB_CHECK(std::filesystem::is_regular_file(status), "[TextDataset] {} is not a regular file",
+           path);
   std::ifstream in(path, std::ios::binary);
   MB_CHECK(in.good(), "[TextDataset] cannot open {}", path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string text;
+  try {
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  } catch (const std::ios_base::failure& e) {  // libstdc++'s filebuf throws on a read error
+    MB_CHECK(false, "[TextDataset] {}: read failed: {}", path, e.what());
+  }
   MB_CHECK(!in.bad(), "[TextDataset] {}: read failed", path);
   MB_CHECK(!text.empty(), "[TextDataset] {} is empty", path);
 
@@ -141,9 +155,10 @@ TextDataset::TextDataset(const std::string& path, TextOptions options)
     tokens_.assign(all.begin() + n_train, all.end());
   }
   const auto m = static_cast<std::int64_t>(tokens_.size());
-  MB_CHECK(m >= options.block_size + 1,
+  // Not m >= block_size + 1: that sum overflows for a block_size near the i64 maximum.
+  MB_CHECK(m - 1 >= options.block_size,
            "[TextDataset] {}: the {} split has {} tokens, fewer than block_size + 1 = {}", path,
-           split_name(options.split), m, options.block_size + 1);
+           split_name(options.split), m, static_cast<std::uint64_t>(options.block_size) + 1);
 }
 
 std::int64_t TextDataset::size() const {

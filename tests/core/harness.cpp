@@ -1,10 +1,16 @@
 #include "tests/core/harness.h"
 
+#include <malloc.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <fstream>
 
 #include "core/rng.h"
 
@@ -212,6 +218,60 @@ std::vector<std::string> TempDir::listing() const {
   for (const auto& e : std::filesystem::directory_iterator(path)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
+}
+
+std::string run_in_child(const std::function<std::string()>& body, ChildLimits limits) {
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    ::alarm(limits.seconds);
+    std::string report;
+    try {
+      if (limits.headroom_bytes > 0) {
+        // Large blocks must be fresh mappings, which the limit counts, not heap the parent freed.
+        ::mallopt(M_MMAP_THRESHOLD, 128 << 10);
+        std::size_t pages = 0;
+        std::ifstream("/proc/self/statm") >> pages;
+        rlimit limit{};
+        ::getrlimit(RLIMIT_AS, &limit);
+        const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+        limit.rlim_cur = std::min<rlim_t>(pages * page + limits.headroom_bytes, limit.rlim_max);
+        ::setrlimit(RLIMIT_AS, &limit);
+      }
+      report = body();
+    } catch (const Error& e) {
+      report = std::string("Error: ") + e.what();
+    } catch (const std::exception& e) {
+      report = std::string("exception: ") + e.what();
+    }
+    for (std::size_t done = 0; done < report.size();) {
+      const ::ssize_t n = ::write(fds[1], report.data() + done, report.size() - done);
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    ::_exit(0);  // no destructors, no doctest reporting: those belong to the parent
+  }
+  ::close(fds[1]);
+  std::string report;
+  char buf[4096];
+  for (;;) {
+    const ::ssize_t n = ::read(fds[0], buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    report.append(buf, static_cast<std::size_t>(n));
+  }
+  ::close(fds[0]);
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + ")";
+  }
+  return report;
 }
 
 }  // namespace microbatch::testing

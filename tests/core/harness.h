@@ -92,6 +92,18 @@ void check_cuda_parity(const std::string& name, const OpFn& f, const std::vector
 /// Tolerances for a dtype: f32 1e-3; f16 and bf16 from REFERENCE.md; f64 1e-9.
 ParityOptions parity_tolerance(DType dtype);
 
+/// Limits of run_in_child's child process.
+struct ChildLimits {
+  std::size_t headroom_bytes = 0;  // how far the address space may grow; 0 = no limit
+  unsigned seconds = 10;           // killed by SIGALRM after this long
+};
+
+/// Runs `body` in a forked child under `limits` and returns what it returned, or how it failed:
+/// "Error: <message>", "exception: <what>", "killed by signal <n> (<name>)". A loader that sizes a
+/// buffer from a file's claim rather than from the data present dies of std::bad_alloc there; one
+/// that blocks for ever is killed rather than stalling the suite.
+std::string run_in_child(const std::function<std::string()>& body, ChildLimits limits);
+
 }  // namespace microbatch::testing
 
 /// A test case that needs a CUDA device; doctest counts it as skipped where there is none.

@@ -1,13 +1,18 @@
 // Training checkpoints: the round trip of model, optimizer and trainer state (bit for bit), the
 // manifest checked against the bytes on disk, atomic saves (no scratch left behind, a crashed
 // save's scratch ignored and cleaned), save_total_limit rotation, numeric step order, and the
-// refusal of truncated, bit-flipped or unmarked checkpoints with resume falling back to the
-// previous good one.
+// refusal of truncated, bit-flipped, unmarked or malformed checkpoints (FIFOs, oversized or deeply
+// nested markers) with resume falling back to the previous good one.
 #include <doctest/doctest.h>
+#include <malloc.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +27,8 @@
 
 using namespace microbatch;
 using namespace microbatch::train;
+using microbatch::testing::ChildLimits;
+using microbatch::testing::run_in_child;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -117,6 +124,22 @@ void check_fallback(const std::function<void(const fs::path&)>& damage, const st
   REQUIRE(resume->refused.size() == 1);
   CHECK(resume->refused[0].find(dir.checkpoint(2)) != std::string::npos);
   CHECK(resume->refused[0].find(needles.front()) != std::string::npos);
+}
+
+// AddressSanitizer aborts, rather than throwing std::bad_alloc, when an allocation fails.
+#ifdef __SANITIZE_ADDRESS__
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
+// What load_latest_checkpoint(dir) resumes from and the reasons it gave, one per line.
+std::string resume_report(const std::string& dir) {
+  const auto resume = load_latest_checkpoint(dir);
+  if (!resume) return "nothing to resume from";
+  std::string out = resume->path;
+  for (const auto& reason : resume->refused) out += "\n" + reason;
+  return out;
 }
 
 }  // namespace
@@ -339,4 +362,95 @@ TEST_CASE("checkpoint: every single-bit flip anywhere in the COMPLETE marker is 
   CHECK(accepted == 0);
   write_bytes(marker, good);
   CHECK(load_checkpoint(path).trainer_state == sample(12).trainer_state);
+}
+
+TEST_CASE("checkpoint: a FIFO where a file belongs is refused without waiting for a writer") {
+  for (const std::string name : {"model.safetensors", "COMPLETE"}) {
+    INFO(name);
+    CheckpointDir dir;
+    save_checkpoint(dir.str(), 1, sample(1), 0);
+    save_checkpoint(dir.str(), 2, sample(2), 0);
+    const fs::path file = fs::path(dir.checkpoint(2)) / name;
+    fs::remove(file);
+    REQUIRE(::mkfifo(file.c_str(), 0600) == 0);
+    // In a child with a time limit: a blocking open() of the FIFO would wait for ever.
+    const std::string report =
+        run_in_child([&] { return resume_report(dir.str()); }, {.seconds = 5});
+    const std::string what = name == "COMPLETE" ? "the COMPLETE marker" : name;
+    CHECK(report == dir.checkpoint(1) + "\n[checkpoint] " + dir.checkpoint(2) + ": " + what +
+                        " is not a regular file");
+  }
+}
+
+TEST_CASE("checkpoint: a NUL byte in the COMPLETE marker is refused") {
+  // The JSON parser stops at a NUL, which would accept the valid text before it.
+  check_fallback(
+      [](const fs::path& cp) {
+        std::ofstream(cp / "COMPLETE", std::ios::app) << std::string("\0 garbage {{{", 13);
+      },
+      {"the COMPLETE marker is damaged: a NUL byte at offset"});
+}
+
+TEST_CASE("checkpoint: a COMPLETE marker too big or too deep is refused, never dumped whole") {
+  // Sparse: the size alone must refuse it, before anything is read.
+  check_fallback(
+      [](const fs::path& cp) { fs::resize_file(cp / "COMPLETE", std::uintmax_t{64} << 20); },
+      {"the COMPLETE marker is 67108864 bytes, over its limit of 1048576: it is damaged"});
+  // 400,000 levels in 800 KB: printing such a value recursed once per level, past the stack.
+  const std::size_t depth = 400000;
+  const std::string deep = std::string(depth, '[') + std::string(depth, ']');
+  check_fallback(
+      [&](const fs::path& cp) { std::ofstream(cp / "COMPLETE") << R"({"format": )" + deep + "}"; },
+      {"the COMPLETE marker is damaged: it nests deeper than the 3 levels of a manifest"});
+  check_fallback(
+      [](const fs::path& cp) {
+        json manifest = json::parse(std::ifstream(cp / "COMPLETE"));
+        manifest["files"]["model.safetensors"]["bytes"] = json::array({1});
+        std::ofstream(cp / "COMPLETE") << manifest.dump();
+      },
+      {"nests deeper than the 3 levels"});
+
+  // A long value within the limits is shown cut short, and a nested one by its type.
+  CheckpointDir dir;
+  const std::string path = save_checkpoint(dir.str(), 1, sample(1), 0);
+  const fs::path marker = fs::path(path) / "COMPLETE";
+  const json good = json::parse(std::ifstream(marker));
+  const auto refusal = [&](const json& manifest) {
+    std::ofstream(marker) << manifest.dump();
+    try {
+      load_checkpoint(path);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  json bad = good;
+  bad["format"] = std::string(100000, 'x');
+  const std::string long_format = refusal(bad);
+  CHECK(long_format.find("not ours: format \"xxxx") != std::string::npos);
+  CHECK_MESSAGE(long_format.size() < 300, long_format.size() << " characters");
+  bad = good;
+  bad["files"]["model.safetensors"]["crc32"] = std::string(100000, 'f');
+  const std::string long_crc = refusal(bad);
+  CHECK(long_crc.find("entry for model.safetensors is damaged: crc32 \"ffff") != std::string::npos);
+  CHECK_MESSAGE(long_crc.size() < 300, long_crc.size() << " characters");
+  bad = good;
+  bad["step"] = json{{"a", {1, 2}}};
+  CHECK(refusal(bad) ==
+        "[checkpoint] " + path + ": the COMPLETE marker is damaged: step a JSON object");
+}
+
+TEST_CASE("checkpoint: resume skips a checkpoint whose loading fails with any exception" *
+          doctest::skip(kAddressSanitizer)) {
+  CheckpointDir dir;
+  save_checkpoint(dir.str(), 1, sample(1), 0);
+  CheckpointData big = sample(2);
+  big.trainer_state["notes"] = std::string(std::size_t{16} << 20, 'x');
+  save_checkpoint(dir.str(), 2, big, 0);
+  // With 8 MiB to spare, reading checkpoint 2's 16 MiB of state throws std::bad_alloc, which is
+  // not a microbatch::Error; resume must still fall back to checkpoint 1.
+  const std::string report = run_in_child([&] { return resume_report(dir.str()); },
+                                          {.headroom_bytes = std::size_t{8} << 20});
+  CHECK(report == dir.checkpoint(1) + "\n[checkpoint] " + dir.checkpoint(2) +
+                      ": cannot be read: std::bad_alloc");
 }

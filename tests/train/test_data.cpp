@@ -2,13 +2,20 @@
 // prefetching DataLoader (coverage, determinism, resume, worker errors), Fashion-MNIST's IDX
 // validation on crafted files (and the real files when installed), and the text dataset.
 #include <doctest/doctest.h>
+#include <malloc.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -20,6 +27,8 @@
 
 using namespace microbatch;
 using namespace microbatch::train;
+using microbatch::testing::ChildLimits;
+using microbatch::testing::run_in_child;
 using microbatch::testing::check_throws_with;
 namespace fs = std::filesystem;
 
@@ -432,6 +441,23 @@ TEST_CASE("FashionMNIST rejects malformed IDX files with a clear message") {
   }
 }
 
+TEST_CASE("FashionMNIST finds a header's huge count truncated without allocating for it") {
+  // The largest count allowed, 2^32 / 784 images of 28x28 (4 GiB), with 100 bytes present: the
+  // loader must find the file truncated with memory for what is there, well within 256 MiB.
+  TempDir dir;
+  write_gz(dir.file("train-images-idx3-ubyte.gz"),
+           idx_file(0x00000803, {5478274, 28, 28}, std::string(100, '\0')));
+  write_gz(dir.file("train-labels-idx1-ubyte.gz"), idx_file(0x00000801, {3}, kFakeLabels));
+  const std::string report = run_in_child(
+      [&] {
+        FashionMNIST(dir.path.string(), Split::Train);
+        return std::string("accepted");
+      },
+      {.headroom_bytes = std::size_t{256} << 20});
+  CHECK(report == "Error: [FashionMNIST] " + dir.file("train-images-idx3-ubyte.gz") +
+                      ": truncated: expected 4294966832 bytes, got 116");
+}
+
 namespace {
 bool have_fashion_mnist() {
   for (const char* name : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -540,6 +566,34 @@ TEST_CASE("TextDataset at the char level: shared vocabulary, round trip, UTF-8 v
   }
   write_plain(dir.file("bytes.txt"), "abc\xFF\xFE" "def");
   CHECK(TextDataset(dir.file("bytes.txt"), {.block_size = 2}).size() == 3);  // (int(8 * 0.9) - 1) / 2
+}
+
+TEST_CASE("TextDataset refuses a path that is not a regular file") {
+  TempDir dir;
+  // A folder: the stream opens, and its first read threw std::ios_base::failure.
+  fs::create_directories(dir.path / "folder.txt");
+  expect_error([&] { TextDataset(dir.file("folder.txt"), {}); },
+               {"[TextDataset] " + dir.file("folder.txt") + " is not a regular file"});
+  // A FIFO: opening it waits for a writer, so the check runs in a child that a hang cannot stall.
+  REQUIRE(::mkfifo(dir.file("fifo.txt").c_str(), 0600) == 0);
+  const std::string report = run_in_child(
+      [&] {
+        TextDataset(dir.file("fifo.txt"), {});
+        return std::string("accepted");
+      },
+      {.seconds = 5});
+  CHECK(report == "Error: [TextDataset] " + dir.file("fifo.txt") + " is not a regular file");
+}
+
+TEST_CASE("TextDataset compares block_size + 1 with the tokens without overflow") {
+  TempDir dir;
+  write_plain(dir.file("t.txt"), std::string(20, 'a'));  // train 18 tokens, val 2
+  CHECK(TextDataset(dir.file("t.txt"), {.block_size = 17}).size() == 1);  // exactly enough
+  expect_error([&] { TextDataset(dir.file("t.txt"), {.block_size = 18}); },
+               {"the train split has 18 tokens, fewer than block_size + 1 = 19"});
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();  // + 1 overflows an i64
+  expect_error([&] { TextDataset(dir.file("t.txt"), {.block_size = huge}); },
+               {"the train split has 18 tokens, fewer than block_size + 1 = 9223372036854775808"});
 }
 
 namespace {
