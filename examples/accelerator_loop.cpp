@@ -12,7 +12,8 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
                                            ExampleConfig config) {
   train::Accelerator accelerator({.gradient_accumulation_steps = config.gradient_accumulation_steps,
                                   .device = config.device});
-  accelerator.prepare_model(model);  // before the arenas are built: they are made where the parameters are
+  // Before the arenas are built: they are made where the parameters are.
+  accelerator.prepare_model(model);
   optim::ParamStore store(model);
   optim::AdamW adamw(store, {.lr = config.learning_rate});
   optim::LRScheduler constant(adamw, {.type = optim::ScheduleType::Constant});
@@ -20,16 +21,15 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
   auto scheduler = accelerator.prepare(constant);
   train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
                                   .seed = config.seed});
+  // An epoch's end closes the window; set_epoch() starts the next one. Refuses an empty loader.
+  train::WindowedLoader batches = accelerator.prepare(loader);
   std::int64_t epoch = 0;
-  auto batches = accelerator.prepare([&]() -> std::optional<train::Batch> {
-    return loader.next();  // an epoch's end closes the window; the next call starts a new epoch
-  });
   std::vector<Tensor> losses;  // () each, on the device: read once, at the end
   adamw.zero_grad();
   while (adamw.step_count() < config.max_steps) {
     std::optional<train::WindowBatch> batch = batches.next();
     if (!batch) {
-      loader.set_epoch(++epoch);
+      batches.set_epoch(++epoch);
       continue;
     }
     auto scope = accelerator.accumulate(*batch);
@@ -57,7 +57,8 @@ int main() {
   auto data = examples::example_dataset();
   const Device device = cuda_available() ? cuda_device(0) : kCPU;
   std::vector<double> losses = examples::train_with_accelerator(model, *data, {.device = device});
-  std::cout << "accelerator on " << device.str() << ": " << losses.size() << " micro-batches, first loss "
-            << losses.front() << ", last loss " << losses.back() << "\n";
+  std::cout << "accelerator on " << device.str() << ": " << losses.size()
+            << " micro-batches, first loss " << losses.front() << ", last loss " << losses.back()
+            << "\n";
 }
 #endif

@@ -21,8 +21,10 @@ struct ExampleConfig {
 
 /// (1) The raw loop: count the window's items, then forward and backward each micro-batch with
 /// its weight n_i / sum n, and step once per window. Moves the model to config.device first.
-/// Returns the loss of each micro-batch (read from the device once, at the end).
-std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data, ExampleConfig config);
+/// Returns the loss of each micro-batch (read from the device once, at the end). Both styles
+/// refuse data that makes no batch, rather than wait forever for a window.
+std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
+                                   ExampleConfig config);
 
 /// (2) The Accelerator: the same loop with accumulate() scopes and wrapped optimizer/scheduler.
 std::vector<double> train_with_accelerator(nn::Model& model, const train::Dataset& data,

@@ -3,17 +3,23 @@
 // window's items, which makes the result equal the full batch's even for uneven or padded batches.
 #include <iostream>
 
+#include "core/error.h"
 #include "examples/accumulation_styles.h"
 #include "optim/optimizer.h"
 
 namespace microbatch::examples {
 
-std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data, ExampleConfig config) {
+std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
+                                   ExampleConfig config) {
   model.to(config.device);  // before the arenas are built: they are made where the parameters are
   optim::ParamStore store(model);
   optim::AdamW optimizer(store, {.lr = config.learning_rate});
   train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
                                   .seed = config.seed});
+  // With no batch at all, the loop below would start new epochs forever waiting for a window.
+  MB_CHECK(loader.num_batches() > 0,
+           "[train_raw_loop] the loader has no batches ({} examples, batch_size {}): there is no "
+           "window to train on", data.size(), config.per_device_train_batch_size);
   std::vector<Tensor> losses;  // () each, on the device: reading one would make the host wait
   std::int64_t steps = 0, epoch = 0;
   optimizer.zero_grad();
@@ -34,7 +40,8 @@ std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
     for (const train::Batch& host_batch : window) {
       const train::Batch batch = host_batch.to(config.device);  // collated on the host, one copy
       nn::ModelOutput out = model(batch.inputs, batch.labels);
-      GradWeightGuard weight(static_cast<double>(batch.num_items) / static_cast<double>(window_items));
+      GradWeightGuard weight(static_cast<double>(batch.num_items) /
+                             static_cast<double>(window_items));
       out.loss.backward();
       losses.push_back(out.loss.detach());
     }
@@ -59,7 +66,8 @@ int main() {
   auto data = examples::example_dataset();
   const Device device = cuda_available() ? cuda_device(0) : kCPU;
   std::vector<double> losses = examples::train_raw_loop(model, *data, {.device = device});
-  std::cout << "raw loop on " << device.str() << ": " << losses.size() << " micro-batches, first loss "
-            << losses.front() << ", last loss " << losses.back() << "\n";
+  std::cout << "raw loop on " << device.str() << ": " << losses.size()
+            << " micro-batches, first loss " << losses.front() << ", last loss " << losses.back()
+            << "\n";
 }
 #endif

@@ -2,33 +2,80 @@
 
 namespace microbatch::train {
 
-WindowedLoader::WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps, Device device)
+WindowedLoader::WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps,
+                               Device device)
     : next_(std::move(next)), steps_(steps), device_(device) {
   MB_CHECK(steps >= 1, "[Accelerator] gradient_accumulation_steps must be >= 1, got {}", steps);
 }
 
+WindowedLoader::WindowedLoader(DataLoader& loader, std::int64_t steps, Device device)
+    : WindowedLoader([&loader] { return loader.next(); }, steps, device) {
+  // An empty loader would hand out nullopt forever, and a loop waiting for a window never ends.
+  MB_CHECK(loader.num_batches() > 0,
+           "[Accelerator] the loader has no batches ({} examples, batch_size {}{}): there is no "
+           "window to train on", loader.dataset().size(), loader.options().batch_size,
+           loader.options().drop_last ? ", drop_last" : "");
+  loader_ = &loader;
+  read_to_ = loader.state();
+}
+
 std::optional<WindowBatch> WindowedLoader::next() {
-  if (window_.empty()) {
-    // Read the whole window ahead, so every batch's weight is known before its backward.
-    std::int64_t total = 0;
-    for (std::int64_t i = 0; i < steps_; ++i) {
-      std::optional<Batch> b = next_();
-      if (!b) break;
-      total += b->num_items;
-      window_.push_back(WindowBatch{std::move(*b), 0.0, false, 0});
-    }
-    if (window_.empty()) return std::nullopt;
-    for (auto& w : window_) {
-      // A window with no loss-bearing item contributes nothing (weight 0), rather than NaN.
-      w.weight = total > 0 ? static_cast<double>(w.batch.num_items) / static_cast<double>(total) : 0.0;
-      w.window_items = total;
-    }
-    window_.back().ends_window = true;
-  }
+  // The loader was moved on its own (loader.set_epoch / set_state): what was read ahead is no
+  // longer what it would hand out next.
+  if (loader_ && loader_->state() != read_to_) reset();
+  if (window_.empty() && !read_window()) return std::nullopt;
+  // Copy before taking the batch out, so a failed copy leaves it in the window for a retry.
+  Batch on_device = window_.front().batch.to(device_);  // one copy, when it is needed
   WindowBatch out = std::move(window_.front());
   window_.pop_front();
-  out.batch = out.batch.to(device_);  // one copy, when it is needed
+  out.batch = std::move(on_device);
   return out;
+}
+
+bool WindowedLoader::read_window() {
+  // Read the whole window ahead, so every batch's weight is known before its backward
+  // (Note [Window read-ahead]): if next_() throws, pending_ keeps what it holds for the retry.
+  while (static_cast<std::int64_t>(pending_.size()) < steps_) {
+    std::optional<Batch> b = next_();
+    if (loader_) read_to_ = loader_->state();
+    if (!b) break;
+    pending_.push_back(std::move(*b));
+  }
+  if (pending_.empty()) return false;
+  std::int64_t total = 0;
+  for (const Batch& b : pending_) total += b.num_items;
+  for (Batch& b : pending_) {
+    WindowBatch w;
+    // A window with no loss-bearing item contributes nothing (weight 0), rather than NaN.
+    w.weight = total > 0 ? static_cast<double>(b.num_items) / static_cast<double>(total) : 0.0;
+    w.window_items = total;
+    w.batch = std::move(b);
+    w.from_loader_ = true;
+    window_.push_back(std::move(w));
+  }
+  window_.back().ends_window = true;
+  pending_.clear();
+  return true;
+}
+
+void WindowedLoader::set_epoch(std::int64_t epoch) {
+  MB_CHECK(loader_ != nullptr, "[WindowedLoader] set_epoch needs a DataLoader source "
+           "(accelerator.prepare(loader)); after moving another source, call reset()");
+  loader_->set_epoch(epoch);
+  reset();
+}
+
+void WindowedLoader::set_state(LoaderState state) {
+  MB_CHECK(loader_ != nullptr, "[WindowedLoader] set_state needs a DataLoader source "
+           "(accelerator.prepare(loader)); after moving another source, call reset()");
+  loader_->set_state(state);
+  reset();
+}
+
+void WindowedLoader::reset() {
+  pending_.clear();
+  window_.clear();
+  if (loader_) read_to_ = loader_->state();
 }
 
 Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
@@ -38,10 +85,11 @@ Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
   if (config.device) {
     const Device d = *config.device;
     MB_CHECK(!d.is_meta(), "[Accelerator] device must be cpu or cuda:N, got meta");
-    MB_CHECK(!(config.cpu && d.is_cuda()), "[Accelerator] cpu = true and device = {} disagree: give one of them",
-             d.str());
-    MB_CHECK(!d.is_cuda() || d.index < cuda_device_count(), "[Accelerator] device {} is not present ({} CUDA "
-             "device(s) here)", d.str(), cuda_device_count());
+    MB_CHECK(!(config.cpu && d.is_cuda()),
+             "[Accelerator] cpu = true and device = {} disagree: give one of them", d.str());
+    MB_CHECK(!d.is_cuda() || d.index < cuda_device_count(),
+             "[Accelerator] device {} is not present ({} CUDA device(s) here)", d.str(),
+             cuda_device_count());
     device_ = d;
   } else {
     device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
@@ -53,38 +101,68 @@ nn::Module& Accelerator::prepare_model(nn::Module& model) {
   return model;
 }
 
+WindowedLoader Accelerator::prepare(DataLoader& loader) {
+  return WindowedLoader(loader, config_.gradient_accumulation_steps, device_);
+}
+
 WindowedLoader Accelerator::prepare(std::function<std::optional<Batch>()> next) {
   return WindowedLoader(std::move(next), config_.gradient_accumulation_steps, device_);
 }
 
 AccumulateScope Accelerator::accumulate(const WindowBatch& batch) {
   MB_CHECK(!in_scope_, "[Accelerator] accumulate() scopes cannot nest");
-  weight_ = batch.weight;
+  MB_CHECK(batch.from_loader(), "[Accelerator] accumulate() takes a batch from a prepared loader "
+           "(accelerator.prepare(loader)): a hand-built WindowBatch belongs to no window, and the "
+           "optimizer would never step");
   sync_gradients_ = batch.ends_window;
-  return AccumulateScope(*this);
+  return AccumulateScope(*this, batch.weight);
 }
 
-AccumulateScope::AccumulateScope(Accelerator& accelerator) : accelerator_(accelerator) {
+AccumulateScope::AccumulateScope(Accelerator& accelerator, double weight)
+    : accelerator_(accelerator), weight_(weight) {
   accelerator_.in_scope_ = true;
 }
 
 AccumulateScope::~AccumulateScope() { accelerator_.in_scope_ = false; }
 
-void Accelerator::backward(const Tensor& loss) {
-  GradWeightGuard weight(weight_);
-  loss.backward();
+void Accelerator::backward(const Tensor& loss, const Tensor& grad, BackwardOptions options) {
+  // Outside a scope the micro-batch's share of its window is unknown. Accelerate would use 1/N,
+  // which is the rule Note [Exact accumulation] exists to avoid; with N = 1 the weight is 1.
+  MB_CHECK(in_scope_ || config_.gradient_accumulation_steps == 1,
+           "[Accelerator] backward() outside an accumulate() scope with "
+           "gradient_accumulation_steps = {}: the micro-batch's weight in its window is unknown "
+           "there; call it inside `auto scope = accelerator.accumulate(batch);`",
+           config_.gradient_accumulation_steps);
+  loss.backward(grad, options);  // the scope's GradWeightGuard weighs it
+}
+
+AcceleratedOptimizer::AcceleratedOptimizer(Accelerator& accelerator, optim::Optimizer& optimizer)
+    : accelerator_(accelerator), optimizer_(optimizer), index_(accelerator.step_skipped_.size()) {
+  accelerator_.step_skipped_.push_back(false);
 }
 
 void AcceleratedOptimizer::step(optim::StepOptions options) {
-  if (accelerator_.sync_gradients()) optimizer_.step(options);
+  if (!accelerator_.sync_gradients()) return;
+  const std::int64_t taken = optimizer_.step_count();
+  optimizer_.step(options);
+  // A skipped step (found_inf) leaves the step count as it was; the scheduler reads this.
+  accelerator_.step_skipped_[index_] = optimizer_.step_count() == taken;
 }
 
 void AcceleratedOptimizer::zero_grad() {
   if (accelerator_.sync_gradients()) optimizer_.zero_grad();
 }
 
+bool AcceleratedOptimizer::step_was_skipped() const { return accelerator_.step_skipped_[index_]; }
+
 void AcceleratedScheduler::step() {
-  if (accelerator_.sync_gradients()) scheduler_.step();
+  // As Accelerate's AcceleratedScheduler: the schedule moves with the optimizer, so only at a
+  // boundary, and not when a prepared optimizer skipped its step (REFERENCE.md, loss scaling).
+  if (!accelerator_.sync_gradients()) return;
+  for (bool skipped : accelerator_.step_skipped_) {
+    if (skipped) return;
+  }
+  scheduler_.step();
 }
 
 }  // namespace microbatch::train

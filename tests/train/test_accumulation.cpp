@@ -1,3 +1,6 @@
+#include <atomic>
+#include <stdexcept>
+
 #include "examples/accumulation_styles.h"
 #include "tests/core/harness.h"
 #include "train/accelerator.h"
@@ -5,6 +8,52 @@
 
 using namespace microbatch;
 using namespace microbatch::testing;
+
+namespace {
+
+// One trainable weight w = 1: the loss sum(w * 2) has gradient 2.
+struct Scalar : nn::Module {
+  Tensor w;
+  Scalar() {
+    w = ones({1});
+    register_parameter("w", &w);
+  }
+};
+
+Tensor scalar_loss(const Scalar& model) { return sum(model.w * 2.0); }
+
+// `count` batches of one item each, then nullopt.
+std::function<std::optional<train::Batch>()> unit_batches(int count) {
+  return [count, n = 0]() mutable -> std::optional<train::Batch> {
+    if (n++ >= count) return std::nullopt;
+    return train::Batch{zeros({1}), zeros({1}), 1, {}};
+  };
+}
+
+// Samples 0..n-1 (input i is the value i), all of class 0.
+train::TensorDataset counting_dataset(std::int64_t n) {
+  return train::TensorDataset(arange(0, static_cast<double>(n)).reshape({n, 1}),
+                              zeros({n}, {.dtype = DType::i64}));
+}
+
+// A dataset whose read of one example fails once, as a transient I/O error would.
+class FlakyDataset : public train::Dataset {
+ public:
+  FlakyDataset(std::int64_t size, std::int64_t failing)
+      : data_(counting_dataset(size)), failing_(failing) {}
+  std::int64_t size() const override { return data_.size(); }
+  train::Example get(std::int64_t index) const override {
+    if (index == failing_ && !failed_.exchange(true)) throw std::runtime_error("transient read");
+    return data_.get(index);
+  }
+
+ private:
+  train::TensorDataset data_;
+  std::int64_t failing_;
+  mutable std::atomic<bool> failed_{false};  // read from the loader's prefetch thread
+};
+
+}  // namespace
 
 TEST_CASE("accumulation certificate: every split equals the full batch (f64 and f32)") {
   for (DType dt : {DType::f64, DType::f32}) {
@@ -24,7 +73,9 @@ TEST_CASE("accumulation certificate: every split equals the full batch (f64 and 
 
 TEST_CASE("windowed loader: weights are shares of the window's items; the last window may be short") {
   std::vector<train::Batch> batches;
-  for (std::int64_t n : {3, 1, 4, 2, 5}) batches.push_back(train::Batch{zeros({n}), zeros({n}), n, {}});
+  for (std::int64_t n : {3, 1, 4, 2, 5}) {
+    batches.push_back(train::Batch{zeros({n}), zeros({n}), n, {}});
+  }
   std::size_t next = 0;
   train::WindowedLoader loader([&]() -> std::optional<train::Batch> {
     if (next == batches.size()) return std::nullopt;
@@ -62,5 +113,160 @@ TEST_CASE("the raw loop and the Accelerator give identical weights after the sam
   std::vector<double> lb = examples::train_with_accelerator(b, data, config);
   CHECK(la == lb);
   auto pa = a.named_parameters(), pb = b.named_parameters();
-  for (std::size_t i = 0; i < pa.size(); ++i) check_close(pb[i].second, pa[i].second, 0, 0, pa[i].first);
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    check_close(pb[i].second, pa[i].second, 0, 0, pa[i].first);
+  }
+}
+
+TEST_CASE("Accelerator: the scheduler stays put after a skipped step (found_inf)") {
+  Scalar model;
+  optim::ParamStore store(model);
+  optim::AdamW adamw(store, {.lr = 1.0});
+  optim::LRScheduler schedule(adamw, {.type = optim::ScheduleType::Linear, .total_steps = 10});
+  train::Accelerator accelerator({.gradient_accumulation_steps = 2, .cpu = true});
+  auto optimizer = accelerator.prepare(adamw);
+  auto scheduler = accelerator.prepare(schedule);
+  auto batches = accelerator.prepare(unit_batches(8));  // four windows of two
+  int window = 0;
+  while (auto batch = batches.next()) {
+    auto scope = accelerator.accumulate(*batch);
+    accelerator.backward(scalar_loss(model));
+    // The first three windows overflow, as an fp16 loss scaler would find; the fourth does not.
+    const bool found_inf = window < 3;
+    optimizer.step({.found_inf = found_inf});
+    scheduler.step();
+    optimizer.zero_grad();
+    if (batch->ends_window) {
+      CHECK(optimizer.step_was_skipped() == found_inf);
+      ++window;
+    }
+  }
+  CHECK(window == 4);
+  CHECK(adamw.step_count() == 1);
+  CHECK(schedule.steps() == 1);
+  CHECK(adamw.lr() == doctest::Approx(0.9));  // one step of 10 down the linear schedule
+}
+
+TEST_CASE("Accelerator: backward() outside a scope is refused with accumulation") {
+  Scalar model;
+  optim::ParamStore store(model);
+  train::Accelerator accelerator({.gradient_accumulation_steps = 4, .cpu = true});
+  check_throws_with([&] { accelerator.backward(scalar_loss(model)); },
+                    "outside an accumulate() scope with gradient_accumulation_steps = 4");
+  auto batches = accelerator.prepare(unit_batches(3));  // one short window: weights 1/3
+  while (auto batch = batches.next()) {
+    auto scope = accelerator.accumulate(*batch);
+    accelerator.backward(scalar_loss(model));
+  }
+  CHECK(store.grads().item() == doctest::Approx(2.0));
+  // The last scope's weight (1/3) ended with it.
+  CHECK(grad_weight() == 1.0);
+  check_throws_with([&] { accelerator.backward(scalar_loss(model)); }, "outside an accumulate()");
+  CHECK(store.grads().item() == doctest::Approx(2.0));
+  // With one micro-batch per window every weight is 1, and backward() needs no scope.
+  train::Accelerator single({.gradient_accumulation_steps = 1, .cpu = true});
+  store.zero_grad();
+  single.backward(scalar_loss(model));
+  CHECK(store.grads().item() == 2.0);
+}
+
+TEST_CASE("windowed loader: a read that fails mid-window is retried into the same window") {
+  FlakyDataset data(9, 2);  // the third read of the first window fails once
+  train::DataLoader loader(data, {.batch_size = 1});
+  train::Accelerator accelerator({.gradient_accumulation_steps = 4, .cpu = true});
+  auto batches = accelerator.prepare(loader);
+  CHECK_THROWS_WITH_AS(batches.next(), "transient read", std::runtime_error);
+  std::vector<std::int64_t> seen;
+  std::vector<double> weights;
+  std::vector<bool> ends;
+  while (auto batch = batches.next()) {
+    seen.push_back(batch->batch.indices.at(0));
+    weights.push_back(batch->weight);
+    ends.push_back(batch->ends_window);
+  }
+  CHECK(seen == std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8});
+  CHECK(weights == std::vector<double>{0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 1.0});
+  CHECK(ends == std::vector<bool>{false, false, false, true, false, false, false, true, true});
+}
+
+TEST_CASE("Accelerator: every backward in a scope is weighted; backward() takes seed and options") {
+  Scalar model;
+  optim::ParamStore store(model);
+  train::Accelerator accelerator({.gradient_accumulation_steps = 4, .cpu = true});
+  auto batches = accelerator.prepare(unit_batches(4));  // four equal micro-batches: weights 1/4
+  while (auto batch = batches.next()) {
+    auto scope = accelerator.accumulate(*batch);
+    scalar_loss(model).backward();  // not through the accelerator: weighted all the same
+  }
+  CHECK(store.grads().item() == 2.0);  // the mean of the four, not their sum 8
+  store.zero_grad();
+  // An fp16 loop seeds backward with the loss scale; retain_graph lets a second pass reuse the
+  // graph. Each micro-batch adds (scale * 2 + 2) / 4.
+  const double scale = 1024.0;
+  auto scaled = accelerator.prepare(unit_batches(4));
+  while (auto batch = scaled.next()) {
+    auto scope = accelerator.accumulate(*batch);
+    Tensor loss = scalar_loss(model);
+    accelerator.backward(loss, full(loss.shape(), scale), {.retain_graph = true});
+    accelerator.backward(loss);
+  }
+  CHECK(store.grads().item() == (scale + 1.0) * 2.0);
+}
+
+TEST_CASE("windowed loader: moving the DataLoader drops the window read ahead") {
+  train::TensorDataset data = counting_dataset(16);
+  train::DataLoader loader(data, {.batch_size = 2, .shuffle = true, .seed = 3});
+  train::DataLoader reference(data, {.batch_size = 2, .shuffle = true, .seed = 3});
+  train::Accelerator accelerator({.gradient_accumulation_steps = 4, .cpu = true});
+  auto batches = accelerator.prepare(loader);
+  REQUIRE(batches.next());  // reads a window of four batches ahead
+  batches.set_epoch(1);
+  reference.set_epoch(1);
+  auto first = batches.next();
+  REQUIRE(first);
+  CHECK(first->batch.indices == reference.batch_indices(0));
+  CHECK(first->weight == 0.25);  // a fresh window of four
+  // Moved on the DataLoader itself, as a resume from a checkpoint does: caught all the same.
+  loader.set_state({.epoch = 2, .position = 5});
+  reference.set_epoch(2);
+  auto resumed = batches.next();
+  REQUIRE(resumed);
+  CHECK(resumed->batch.indices == reference.batch_indices(5));
+  CHECK(resumed->weight == doctest::Approx(1.0 / 3.0));  // batches 5, 6, 7 end the epoch
+  batches.set_state({.epoch = 0, .position = 1});
+  reference.set_epoch(0);
+  CHECK(batches.next()->batch.indices == reference.batch_indices(1));
+  // A source it cannot see into is the caller's to reset.
+  auto blind = accelerator.prepare([&] { return loader.next(); });
+  check_throws_with([&] { blind.set_epoch(0); }, "needs a DataLoader source");
+  REQUIRE(blind.next());
+  loader.set_epoch(1);
+  blind.reset();
+  reference.set_epoch(1);
+  CHECK(blind.next()->batch.indices == reference.batch_indices(0));
+}
+
+TEST_CASE("Accelerator: a batch that no prepared loader made is refused") {
+  train::Accelerator accelerator({.gradient_accumulation_steps = 2, .cpu = true});
+  train::WindowBatch hand_built;  // ends_window false: the optimizer would never step
+  hand_built.batch = train::Batch{zeros({1}), zeros({1}), 1, {}};
+  check_throws_with([&] { auto scope = accelerator.accumulate(hand_built); }, "prepared loader");
+  // The refusal leaves no scope open.
+  auto batches = accelerator.prepare(unit_batches(1));
+  auto batch = batches.next();
+  REQUIRE(batch);
+  CHECK(batch->from_loader());
+  auto scope = accelerator.accumulate(*batch);
+  CHECK(accelerator.sync_gradients());
+}
+
+TEST_CASE("examples: data with no batch is refused, not waited on forever") {
+  train::TensorDataset empty(zeros({0, 28, 28}), zeros({0}, {.dtype = DType::i64}));
+  nn::MLP model({.in_features = 784, .hidden = {8}, .num_classes = 10});
+  check_throws_with([&] { examples::train_raw_loop(model, empty, {}); }, "no batches");
+  check_throws_with([&] { examples::train_with_accelerator(model, empty, {}); }, "no batches");
+  train::TensorDataset three = counting_dataset(3);
+  train::DataLoader short_of_one(three, {.batch_size = 4, .drop_last = true});
+  train::Accelerator accelerator({.cpu = true});
+  check_throws_with([&] { accelerator.prepare(short_of_one); }, "no batches (3 examples");
 }
