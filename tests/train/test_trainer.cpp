@@ -184,6 +184,14 @@ std::vector<nlohmann::json> step_lines(const fs::path& dir) {
   return lines;
 }
 
+// Trains small_mlp() with `a` on `data`, its console lines discarded.
+TrainOutput quiet_train(const TrainingArguments& a, const Dataset& data, const Dataset* eval = nullptr) {
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), a, data, eval, eval != nullptr ? classification_metrics : ComputeMetrics());
+  trainer.set_log_stream(&sink);
+  return trainer.train();
+}
+
 TrainingArguments small_run(const fs::path& dir) {
   return {.output_dir = dir.string(), .per_device_train_batch_size = 8, .gradient_accumulation_steps = 2,
           .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .use_cpu = true};
@@ -193,12 +201,7 @@ TrainingArguments small_run(const fs::path& dir) {
 TEST_CASE("Trainer: the end of training is saved and evaluated as Hugging Face's Trainer does") {
   // Note [The end of training]: 96 examples in windows of 16 are 6 steps an epoch.
   TensorDataset train_set = synthetic_images(96, 1), eval_set = synthetic_images(40, 2);
-  std::ostringstream sink;
-  auto run = [&](TrainingArguments a, const Dataset* eval) {
-    Trainer trainer(small_mlp(), a, train_set, eval, classification_metrics);
-    trainer.set_log_stream(&sink);
-    return trainer.train();
-  };
+  auto run = [&](const TrainingArguments& a, const Dataset* eval) { return quiet_train(a, train_set, eval); };
   {
     TempDir dir;  // every epoch's end saves, the last one's too
     TrainingArguments a = small_run(dir.path);
@@ -233,15 +236,12 @@ TEST_CASE("Trainer: the end of training is saved and evaluated as Hugging Face's
 
 TEST_CASE("Trainer: a log line's loss is the mean over the steps since the last line") {
   TensorDataset train_set = synthetic_images(96, 1);
-  std::ostringstream sink;
   auto losses = [&](std::int64_t logging_steps) {
     TempDir dir;
     TrainingArguments a = small_run(dir.path);
     a.max_steps = 6;
     a.logging_steps = logging_steps;
-    Trainer trainer(small_mlp(), a, train_set);
-    trainer.set_log_stream(&sink);
-    trainer.train();
+    quiet_train(a, train_set);
     std::vector<double> out;
     for (auto& l : step_lines(dir.path)) out.push_back(l["loss"].get<double>());
     return out;
@@ -259,23 +259,14 @@ TEST_CASE("Trainer: a log line's loss is the mean over the steps since the last 
 TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming what differs") {
   TempDir dir;
   TensorDataset train_set = synthetic_images(96, 1), other_set = synthetic_images(80, 1);
-  std::ostringstream sink;
   TrainingArguments a = small_run(dir.path);
   a.max_steps = 4;
   a.save_strategy = "steps";
   a.save_steps = 2;
-  {
-    Trainer trainer(small_mlp(), a, train_set);
-    trainer.set_log_stream(&sink);
-    trainer.train();
-  }
+  quiet_train(a, train_set);
   a.max_steps = 6;
   a.resume_from_checkpoint = "latest";
-  auto resume = [&](TrainingArguments b, const Dataset& data) {
-    Trainer trainer(small_mlp(), b, data);
-    trainer.set_log_stream(&sink);
-    trainer.train();
-  };
+  auto resume = [&](const TrainingArguments& b, const Dataset& data) { quiet_train(b, data); };
   TrainingArguments seed = a;
   seed.seed = 7;
   check_throws_with([&] { resume(seed, train_set); }, "was trained with seed 42, this run has 7");
@@ -292,16 +283,11 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   // checkpoint whole would: the fields themselves are what is checked.
   TempDir dir;
   TensorDataset train_set = synthetic_images(96, 1);
-  std::ostringstream sink;
   TrainingArguments a = small_run(dir.path / "run");
   a.max_steps = 2;
   a.save_strategy = "steps";
   a.save_steps = 2;
-  {
-    Trainer trainer(small_mlp(), a, train_set);
-    trainer.set_log_stream(&sink);
-    trainer.train();
-  }
+  quiet_train(a, train_set);
   const CheckpointData good = load_checkpoint((dir.path / "run" / "checkpoint-2").string());
   auto resume_with = [&](const char* field, nlohmann::json value) {
     CheckpointData edited = good;
@@ -311,9 +297,7 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
     TrainingArguments b = small_run(out);
     b.max_steps = 4;
     b.resume_from_checkpoint = path;
-    Trainer trainer(small_mlp(), b, train_set);
-    trainer.set_log_stream(&sink);
-    trainer.train();
+    quiet_train(b, train_set);
   };
   check_throws_with([&] { resume_with("global_step", -5); }, "'global_step' must be a whole number >= 0, got -5");
   check_throws_with([&] { resume_with("window", "x"); }, "'window' must be a whole number >= 0, got a JSON string");
