@@ -30,6 +30,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -180,8 +181,15 @@ void set_pref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t
 
 // cuBLASLt calls done, by epilogue (lt_epilogue_calls).
 std::atomic<std::int64_t> g_lt_bias{0}, g_lt_gelu{0}, g_lt_dgelu{0};
-// Why cuBLASLt last declined a call (lt_last_refusal); guarded by g_lt_mutex.
+// Why the last call did not run on cuBLASLt (lt_last_refusal), guarded by g_lt_mutex: a call Lt
+// declined, described when it happens (once per shape, its refusal is cached), or a call not
+// offered to it, kept as its facts and described only when asked (that happens on every call).
 std::string g_lt_refusal;
+struct NotOffered {
+  bool types, layout, vectors;
+  StridedView c;
+};
+std::optional<NotOffered> g_not_offered;
 
 // Whether the bias epilogue is wanted: on unless MB_CUBLASLT_EPILOGUE is "0" (read once).
 bool& epilogue_wanted() {
@@ -251,7 +259,12 @@ void gemm(const StridedView& a, const StridedView& b, const StridedView& c, doub
 
 std::string lt_last_refusal() {
   std::lock_guard lock(g_lt_mutex);
-  return g_lt_refusal;
+  if (!g_not_offered) return g_lt_refusal;
+  const NotOffered& n = *g_not_offered;
+  return MB_FORMAT("not offered to cuBLASLt: types {}, layout {}, bias and aux {}; c {}",
+                   n.types ? "ok" : "not one of f32, f16, bf16",
+                   n.layout ? "ok" : "not 2-d row-major c within int range",
+                   n.vectors ? "ok" : "under-aligned or aux ld not a multiple of 8", describe(n.c));
 }
 
 std::int64_t lt_epilogue_calls(LtCall kind) {
@@ -298,11 +311,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
   if (!epilogue_wanted()) return false;
   if (!lt_types || !lt_layout || !lt_vectors) {
     std::lock_guard lock(g_lt_mutex);
-    g_lt_refusal = MB_FORMAT("not offered to cuBLASLt: types {}, layout {}, bias and aux {}; c {}",
-                             lt_types ? "ok" : "not one of f32, f16, bf16",
-                             lt_layout ? "ok" : "not 2-d row-major c within int range",
-                             lt_vectors ? "ok" : "under-aligned or aux ld not a multiple of 8",
-                             describe(c));
+    g_not_offered = NotOffered{lt_types, lt_layout, lt_vectors, c};
     return false;
   }
 
@@ -374,6 +383,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
       } else {
         MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
                  "[gemm] cublasLtMatmulAlgoGetHeuristic failed: {}", cublas_status_name(status));
+        g_not_offered.reset();
         g_lt_refusal = describe_refusal(status == CUBLAS_STATUS_SUCCESS && found > 0
                                             ? cublas_status_name(result.state)
                                             : "no algorithm",
@@ -402,6 +412,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
            describe_refusal(cublas_status_name(status), key));
   std::lock_guard lock(g_lt_mutex);
   lt_algos()[key].ok = false;
+  g_not_offered.reset();
   g_lt_refusal = describe_refusal(cublas_status_name(status), key);
   return false;
 }
