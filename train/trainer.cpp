@@ -397,10 +397,10 @@ TrainOutput Trainer::train() {
   }
   const std::int64_t first_step = step;  // a run resumed at its end trains, evaluates and saves nothing
   LossSum loss_total(device_, loss_sum);  // of every window's loss (Note [Training on a device])
-  // The windows' losses since the last log line: the line reports their mean, as Hugging Face's
-  // Trainer logs tr_loss over the steps since it last logged.
-  LossSum interval_loss(device_);
-  std::int64_t interval_steps = 0;
+  // A log line reports the mean loss of the steps since the previous line, as Hugging Face's
+  // Trainer logs tr_loss: the total's growth since then over the steps since then.
+  double logged_total = loss_sum;
+  std::int64_t logged_step = step;
 
   // The boundary step runs here or is queued on the device (Note [Boundary step on the device] in
   // optim/boundary_step.h); its outcomes reach take_outcome once the host knows them.
@@ -418,7 +418,7 @@ TrainOutput Trainer::train() {
                           {"tokens", tokens}, {"loss_sum", loss_total.value()}, {"scheduler_steps", scheduler.steps()},
                           {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
                           {"args", args_.to_json()}, {"skipped_steps", skipped},
-                          {"windows_per_epoch", windows_per_epoch}, {"train_examples", train_set_.size()}};
+                          {"train_examples", train_set_.size()}};
     if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
     const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
@@ -593,15 +593,13 @@ TrainOutput Trainer::train() {
     samples += static_cast<std::int64_t>(indices.size());
     tokens += window_tokens;
     loss_total.add(window_loss);
-    interval_loss.add(window_loss);
-    ++interval_steps;
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
       MemoryStats stats = memory_stats(device_);
-      // The one read of the device between log lines.
-      const double loss = interval_loss.value() / static_cast<double>(interval_steps);
-      interval_loss = LossSum(device_);
-      interval_steps = 0;
+      const double total = loss_total.value();  // the one read of the device between log lines
+      const double loss = (total - logged_total) / static_cast<double>(step - logged_step);
+      logged_total = total;
+      logged_step = step;
       stats.reserved.peak = std::max(stats.reserved.peak, carried_peak);
       carried_peak = 0;
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
