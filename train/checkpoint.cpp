@@ -31,6 +31,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/json_text.h"
 
 namespace microbatch::train {
 
@@ -55,7 +56,6 @@ constexpr std::size_t kReadChunk = std::size_t{1} << 20;
 // marker is damage, refused before it is read whole or parsed (and later recursed) to the end.
 constexpr std::uint64_t kMaxMarkerBytes = std::uint64_t{1} << 20;
 constexpr int kMaxMarkerDepth = 3;  // the manifest, its "files", and each file's entry
-constexpr std::size_t kMaxShownChars = 60;
 
 std::string errno_text() { return std::error_code(errno, std::generic_category()).message(); }
 
@@ -175,17 +175,6 @@ std::string read_text(const fs::path& file, const std::string& what, std::uint64
   }
 }
 
-/// A marker value for an error message, never all of it: a damaged marker may hold any value, and
-/// dump() recurses once per level of nesting. Scalars are shown as JSON, cut to kMaxShownChars.
-std::string shown(const json& value) {
-  if (value.is_structured()) return fmt::format("a JSON {}", value.type_name());
-  std::string text = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (text.size() <= kMaxShownChars) return text;
-  std::size_t cut = kMaxShownChars;
-  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // whole UTF-8
-  return text.substr(0, cut) + "...";
-}
-
 /// Whether `value` is a CRC-32 as the writer records it: eight lowercase hex digits.
 bool is_crc_text(const json& value) {
   if (!value.is_string()) return false;
@@ -199,9 +188,9 @@ bool is_crc_text(const json& value) {
 /// without reading it), then the CRC-32 of its bytes, read in chunks.
 void verify_part(const fs::path& folder, const std::string& name, const json& entry, const std::string& where) {
   CK_CHECK(entry.is_object(), where, "the {} marker's entry for {} is damaged: {}, not an object",
-           kCheckpointMarkerFile, name, shown(entry));
+           kCheckpointMarkerFile, name, shown_json(entry));
   const auto member = [&](const char* key) {
-    return entry.contains(key) ? shown(entry.at(key)) : std::string("missing");
+    return entry.contains(key) ? shown_json(entry.at(key)) : std::string("missing");
   };
   CK_CHECK(entry.contains("bytes") && entry.at("bytes").is_number_unsigned(), where,
            "the {} marker's entry for {} is damaged: bytes {}", kCheckpointMarkerFile, name,
@@ -408,20 +397,20 @@ CheckpointData load_checkpoint(const std::string& path) {
     return manifest.at(key);
   };
   CK_CHECK(field("format") == kFormatName, path, "the {} marker is damaged or not ours: format {}",
-           kCheckpointMarkerFile, shown(field("format")));
+           kCheckpointMarkerFile, shown_json(field("format")));
   CK_CHECK(field("version") == kFormatVersion, path,
            "checkpoint format version {} is not supported (this build reads version {})",
-           shown(field("version")), kFormatVersion);
+           shown_json(field("version")), kFormatVersion);
   const json& step = field("step");
   CK_CHECK(step.is_number_integer(), path, "the {} marker is damaged: step {}",
-           kCheckpointMarkerFile, shown(step));
+           kCheckpointMarkerFile, shown_json(step));
   // A renamed folder (or a flipped digit) would sort and resume under the wrong step.
   if (const auto named = parse_step(folder.filename().string()))
     CK_CHECK(step.get<std::int64_t>() == *named, path, "the folder is named for step {} but its {} records step {}",
-             *named, kCheckpointMarkerFile, shown(step));
+             *named, kCheckpointMarkerFile, shown_json(step));
   const json& files = field("files");
   CK_CHECK(files.is_object(), path, "the {} marker is damaged: files {}", kCheckpointMarkerFile,
-           shown(files));
+           shown_json(files));
   for (const char* name : kManifestFiles) {
     CK_CHECK(files.contains(name), path, "the {} marker is damaged: it does not list {}", kCheckpointMarkerFile,
              name);

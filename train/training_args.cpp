@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/json_text.h"
 #include "optim/schedule.h"
 
 namespace microbatch::train {
@@ -178,16 +179,6 @@ nlohmann::json TrainingArguments::to_json() const {
   return j;
 }
 
-namespace {
-// A value for an error message: a number or a short string as written, anything else by its type
-// (a dump of an arbitrary value could be megabytes, or nest deeper than the stack).
-std::string shown(const nlohmann::json& v) {
-  if (v.is_number() || v.is_boolean() || v.is_null()) return v.dump();
-  if (v.is_string() && v.get_ref<const std::string&>().size() <= 64) return v.dump();
-  return fmt::format("a JSON {}", v.type_name());
-}
-}  // namespace
-
 TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   MB_CHECK(j.is_object(), "[TrainingArguments] expected a JSON object");
   TrainingArguments a;
@@ -200,24 +191,24 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
     const nlohmann::json& v = j.at(name);
     using Field = std::decay_t<decltype(field)>;
     if constexpr (std::is_integral_v<Field> && !std::is_same_v<Field, bool>) {
-      if (!v.is_number()) MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, shown(v));
+      MB_CHECK(v.is_number(), "[TrainingArguments] '{}' has the wrong type: {}", name, shown_json(v));
       // JSON's get_to would truncate 2.7 to 2, wrap -1 into an unsigned seed and 1e19 into a
       // negative count: refuse all three.
       MB_CHECK(v.is_number_integer() || (v.is_number_float() && std::isfinite(v.get<double>()) &&
                                          std::trunc(v.get<double>()) == v.get<double>()),
-               "[TrainingArguments] '{}' must be a whole number, got {}", name, shown(v));
+               "[TrainingArguments] '{}' must be a whole number, got {}", name, shown_json(v));
       MB_CHECK(!std::is_unsigned_v<Field> || v.get<double>() >= 0,
-               "[TrainingArguments] '{}' must be >= 0, got {}", name, shown(v));
+               "[TrainingArguments] '{}' must be >= 0, got {}", name, shown_json(v));
       const bool fits = v.is_number_unsigned()
                             ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(
                                                             std::numeric_limits<Field>::max())
                             : v.get<double>() < std::ldexp(1.0, std::numeric_limits<Field>::digits);
-      MB_CHECK(fits, "[TrainingArguments] '{}' is out of range: {}", name, shown(v));
+      MB_CHECK(fits, "[TrainingArguments] '{}' is out of range: {}", name, shown_json(v));
     }
     try {
       v.get_to(field);
     } catch (const nlohmann::json::exception&) {
-      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, shown(v));
+      MB_CHECK(false, "[TrainingArguments] '{}' has the wrong type: {}", name, shown_json(v));
     }
   };
   get("output_dir", a.output_dir);
@@ -225,7 +216,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
     const auto& v = j.at("per_device_train_batch_size");
     if (v.is_string()) {
       MB_CHECK(v.get<std::string>() == "auto", "[TrainingArguments] per_device_train_batch_size must be a number "
-               "or \"auto\", got {}", shown(v));
+               "or \"auto\", got {}", shown_json(v));
       a.per_device_train_batch_size = kAutoBatch;
     } else {
       get("per_device_train_batch_size", a.per_device_train_batch_size);
