@@ -220,6 +220,16 @@ std::vector<std::string> TempDir::listing() const {
   return names;
 }
 
+double weighted_add_reference(double total, double x, double w, DType buffer) {
+  if (buffer == DType::f64) {
+    const double product = w * x;
+    return total + product;
+  }
+  const float product = static_cast<float>(w) * static_cast<float>(x);
+  const float sum = static_cast<float>(total) + product;
+  return from_vector({static_cast<double>(sum)}, {1}).to(buffer).to_vector()[0];
+}
+
 std::string run_in_child(const std::function<std::string()>& body, ChildLimits limits) {
   int fds[2];
   REQUIRE(::pipe(fds) == 0);

@@ -92,6 +92,10 @@ void check_cuda_parity(const std::string& name, const OpFn& f, const std::vector
 /// Tolerances for a dtype: f32 1e-3; f16 and bf16 from REFERENCE.md; f64 1e-9.
 ParityOptions parity_tolerance(DType dtype);
 
+/// total + w * x as a gradient buffer of dtype `buffer` adds a weighted gradient in place: in f64
+/// for f64 buffers, else the product and the sum in f32, rounded to the buffer's dtype.
+double weighted_add_reference(double total, double x, double w, DType buffer);
+
 /// Limits of run_in_child's child process.
 struct ChildLimits {
   std::size_t headroom_bytes = 0;  // how far the address space may grow; 0 = no limit

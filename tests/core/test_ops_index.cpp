@@ -150,15 +150,7 @@ TEST_CASE("embedding: with a gradient buffer, backward adds w * g rows straight 
       for (std::int64_t i = 0; i < n; ++i) {
         for (std::int64_t j = 0; j < c; ++j) {
           double& t = want[static_cast<std::size_t>(static_cast<std::int64_t>(ids[static_cast<std::size_t>(i)]) * c + j)];
-          const double x = gv[static_cast<std::size_t>(i * c + j)];
-          if (k.buffer == DType::f64) {
-            const double product = 0.3 * x;
-            t = t + product;
-          } else {
-            const float product = static_cast<float>(0.3) * static_cast<float>(x);
-            const float sum = static_cast<float>(t) + product;
-            t = from_vector({static_cast<double>(sum)}, {1}).to(k.buffer).to_vector()[0];
-          }
+          t = weighted_add_reference(t, gv[static_cast<std::size_t>(i * c + j)], 0.3, k.buffer);
         }
       }
     }

@@ -77,14 +77,7 @@ TEST_CASE("linear adds its bias gradient straight into a preset buffer, as the s
         double column = 0.0;  // f64, in row order
         for (std::int64_t r = 0; r < m; ++r) column += g[static_cast<std::size_t>(r * n + col)];
         double& t = want[static_cast<std::size_t>(col)];
-        if (c.buffer == DType::f64) {
-          const double product = 0.3 * column;
-          t = t + product;
-        } else {
-          const float product = static_cast<float>(0.3) * static_cast<float>(column);
-          const float total = static_cast<float>(t) + product;
-          t = from_vector({static_cast<double>(total)}, {1}).to(c.buffer).to_vector()[0];
-        }
+        t = weighted_add_reference(t, column, 0.3, c.buffer);
       }
     }
     check_close(buffer.to(DType::f64), want, 0.0, 0.0, "the buffer after two weighted backward passes (to the bit)");

@@ -445,15 +445,7 @@ TEST_CASE("layer_norm adds its weight and bias gradients straight into preset bu
       std::vector<double> want(static_cast<std::size_t>(cols), p == 0 ? 0.5 : -0.25);
       for (const auto& s : sums) {
         const std::vector<double> v = s[static_cast<std::size_t>(p)].to_vector();
-        for (std::size_t j = 0; j < want.size(); ++j) {
-          if (math == DType::f64) {
-            const double product = 0.3 * v[j];
-            want[j] = want[j] + product;
-          } else {
-            const float product = static_cast<float>(0.3) * static_cast<float>(v[j]);
-            want[j] = static_cast<double>(static_cast<float>(want[j]) + product);
-          }
-        }
+        for (std::size_t j = 0; j < want.size(); ++j) want[j] = weighted_add_reference(want[j], v[j], 0.3, math);
       }
       check_close((p == 0 ? dgamma : dbeta).to(DType::f64), want, 0.0, 0.0,
                   p == 0 ? "weight's buffer (to the bit)" : "bias's buffer (to the bit)");
