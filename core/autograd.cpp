@@ -109,6 +109,17 @@ Tensor SavedTensor::get() const {
   return tensor_;
 }
 
+Tensor SavedTensor::take() {
+  MB_ASSERT(!retaining_graph(), "[autograd] {} took a saved tensor of a retained graph", op_);
+  Tensor t = get();
+  tensor_ = Tensor();
+  return t;
+}
+
+bool sole_handle(const Tensor& t) {
+  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1;
+}
+
 // ---- recording ---------------------------------------------------------------------------------
 
 bool needs_grad(const std::vector<Tensor>& inputs) {

@@ -76,6 +76,10 @@ class SavedTensor {
   static SavedTensor output(const Tensor& out, const char* op) { return SavedTensor(out.detach(), op); }
   /// The saved tensor; throws if its version changed since it was saved.
   Tensor get() const;
+  /// The saved tensor, checked as get() does, and this node's handle on it let go, so that the
+  /// caller's may be the only one left (Note [Reusing an input's memory]). Only for a backward
+  /// that runs once: call it only when retaining_graph() is false.
+  Tensor take();
 
  private:
   Tensor tensor_;
@@ -139,6 +143,15 @@ void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector
 /// A backward formula may drop what it saved as soon as it is done with it, within its run, only
 /// when this is false (Note [Releasing saved tensors]).
 bool retaining_graph();
+
+/// Note [Reusing an input's memory]: a backward formula whose gradient has its input's shape,
+/// dtype and layout, and whose kernel reads each element of the input before writing the same
+/// element of the gradient (cross_entropy's), may write the gradient over the input once nothing
+/// else can see it: the graph is not retained, the formula took its saved handle (take()), and
+/// that handle is the only one on the tensor and on its memory (no view, no caller's variable, no
+/// other node). The gradient then costs no memory of its own; a caller that keeps the input (a
+/// model output's logits, say) keeps it intact and the formula allocates as before.
+bool sole_handle(const Tensor& t);
 
 /// Whether a backward formula may add its gradient for `t` straight into t.grad (`grad += w * g`
 /// with w = grad_weight(), Note [Gradient writes]) and return no gradient for it: t is a leaf that

@@ -33,12 +33,12 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
       continue;
     }
     auto scope = accelerator.accumulate(*batch);
-    nn::ModelOutput out = model(batch->batch.inputs, batch->batch.labels);
-    accelerator.backward(out.loss);
+    Tensor loss = model(batch->batch.inputs, batch->batch.labels).loss;
+    accelerator.backward(loss);
     optimizer.step();
     scheduler.step();
     optimizer.zero_grad();
-    losses.push_back(out.loss.detach());
+    losses.push_back(loss.detach());
   }
   std::vector<double> values;
   for (const Tensor& loss : losses) values.push_back(loss.item());

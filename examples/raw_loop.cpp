@@ -39,11 +39,12 @@ std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
     }
     for (const train::Batch& host_batch : window) {
       const train::Batch batch = host_batch.to(config.device);  // collated on the host, one copy
-      nn::ModelOutput out = model(batch.inputs, batch.labels);
+      // Only the loss is kept: with the logits gone, its backward writes their gradient over them.
+      Tensor loss = model(batch.inputs, batch.labels).loss;
       GradWeightGuard weight(static_cast<double>(batch.num_items) /
                              static_cast<double>(window_items));
-      out.loss.backward();
-      losses.push_back(out.loss.detach());
+      loss.backward();
+      losses.push_back(loss.detach());
     }
     optimizer.step();
     optimizer.zero_grad();

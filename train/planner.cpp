@@ -256,6 +256,7 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
       Tensor model_inputs = is_floating(inputs.dtype()) && inputs.dtype() != compute ? inputs.to(compute) : inputs;
       nn::ModelOutput out = model->forward(model_inputs, labels);
       MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
+      out.logits = Tensor();  // as the Trainer does (Note [Reusing an input's memory])
       out.loss.backward();
     }
     const MemoryStats end = memory_stats(kMeta);

@@ -520,6 +520,9 @@ TrainOutput Trainer::train() {
         const Batch b = loader.batch_for(chunk).to(device_);  // collated on the host, one copy
         const double w = window_items > 0 ? static_cast<double>(b.num_items) / static_cast<double>(window_items) : 0.0;
         nn::ModelOutput o = model_->forward(model_inputs(b.inputs), b.labels);
+        // Training reads no logits: dropped, the loss's backward writes their gradient over them
+        // (Note [Reusing an input's memory], core/autograd.h).
+        o.logits = Tensor();
         {
           GradWeightGuard weight(w);
           // With fp16 the seed is the loss scale (on CUDA the device's own): the loss is f32, and its

@@ -143,8 +143,9 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
   }
   record("cross_entropy", {logits}, out,
          [sx = SavedTensor(x, "cross_entropy"), st = SavedTensor(target, "cross_entropy"), stats,
-          count, n, c, args, reduction = options.reduction, math](const Tensor& g) {
-           Tensor xv = sx.get(), tv = st.get();
+          count, n, c, args, reduction = options.reduction,
+          math](const Tensor& g) mutable {
+           Tensor xv = retaining_graph() ? sx.get() : sx.take(), tv = st.get();
            Tensor gm = g.dtype() == math ? g : g.to(math);
            Tensor g_row;  // (N) the weight of each row's loss, possibly a stride-0 expansion
            switch (reduction) {
@@ -159,10 +160,14 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
                break;
            }
            // (N, C), with the logits' row padding, if any: the GEMMs that read it want it too.
+           // Written over the logits when nothing else can see them (Note [Reusing an input's
+           // memory], core/autograd.h): the kernels read each logit before writing its gradient.
            const std::int64_t pad = n > 1 ? xv.strides()[0] - c : 0;
            const std::int64_t ld = pad > 0 && pad < 8 ? c + pad : c;
-           Tensor dlogits = empty({n, ld}, {.dtype = xv.dtype(), .device = xv.device()});
-           if (ld != c) dlogits = dlogits.slice(1, 0, c);
+           const bool reuse = sole_handle(xv) && xv.strides()[1] == 1 && (n <= 1 || pad == ld - c);
+           Tensor dlogits =
+               reuse ? xv.detach() : empty({n, ld}, {.dtype = xv.dtype(), .device = xv.device()});
+           if (!reuse && ld != c) dlogits = dlogits.slice(1, 0, c);
            launch(
                "cross_entropy", xv.device(),
                [&] {

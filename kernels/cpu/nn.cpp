@@ -218,11 +218,12 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
         const T* x = logits.ptr<T>() + i * cols;
         const C max = stats.ptr<C>()[2 * i], log_sum = stats.ptr<C>()[2 * i + 1];
         const C gi = g.ptr<C>()[i * g.strides[0]];
+        // The label's entry from its logit, so that 16-bit storage rounds it only once; read first,
+        // as d may be x (Note [Reusing an input's memory], core/autograd.h).
+        const C p_t = std::exp((static_cast<C>(x[t]) - max) - log_sum);
         for_chunks(cols, [&](std::int64_t j0, std::int64_t len) {
           store(d + j0, gi * (((load(x + j0, len, buf) - max) - log_sum).exp() - off));
         });
-        // The label's entry from the logit again, so that 16-bit storage rounds it only once.
-        const C p_t = std::exp((static_cast<C>(x[t]) - max) - log_sum);
         d[t] = static_cast<T>(gi * (p_t - off - on));
       }
     });

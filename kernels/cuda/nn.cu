@@ -114,8 +114,12 @@ struct RowPack {
   std::uint32_t w[4];
 
   // The intrinsics keep the access one instruction (a plain uint4 store was split in four).
+  // kReadOnly: through the read-only (non-coherent) cache, for a row no thread of the kernel
+  // writes; otherwise a coherent load, evict-first (read once).
+  template <bool kReadOnly = true>
   __device__ __forceinline__ static RowPack load(const T* p) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    const uint4 u = kReadOnly ? __ldg(reinterpret_cast<const uint4*>(p))
+                              : __ldcs(reinterpret_cast<const uint4*>(p));
     return {{u.x, u.y, u.z, u.w}};
   }
   __device__ __forceinline__ void store(T* p) const {
@@ -187,7 +191,9 @@ __device__ __forceinline__ void visit_scalars(const T* row, std::int64_t begin, 
 
 // Calls visit(j, v) over this thread's share of a row split by `split` (Note [Row packs]): v is
 // an A[1] for a head or tail column j, an A[RowPack<T>::kSize] for the pack starting at column j.
-template <class T, class Visit>
+// kReadOnly = false where the kernel writes the row it reads (in place), visit(j, v) writing only
+// the columns it was given.
+template <bool kReadOnly = true, class T, class Visit>
 __device__ __forceinline__ void visit_row(const T* row, std::int64_t cols, RowSplit split,
                                           const RowLoop& loop, Visit&& visit) {
   using A = compute_t<T>;
@@ -203,7 +209,7 @@ __device__ __forceinline__ void visit_row(const T* row, std::int64_t cols, RowSp
     RowPack<T> raw[kPackUnroll];
 #pragma unroll
     for (int u = 0; u < kPackUnroll; ++u)
-      raw[u] = RowPack<T>::load(packs + (p + u * loop.size) * P);
+      raw[u] = RowPack<T>::template load<kReadOnly>(packs + (p + u * loop.size) * P);
 #pragma unroll
     for (int u = 0; u < kPackUnroll; ++u) {
       A v[P];
@@ -213,7 +219,7 @@ __device__ __forceinline__ void visit_row(const T* row, std::int64_t cols, RowSp
   }
   for (; p < split.packs; p += loop.size) {
     A v[P];
-    to_compute(RowPack<T>::load(packs + p * P), v);
+    to_compute(RowPack<T>::template load<kReadOnly>(packs + p * P), v);
     visit(split.head + p * P, v);
   }
   visit_scalars(row, split.head + split.packs * P, cols, loop, visit);
@@ -364,8 +370,9 @@ __global__ void cross_entropy_forward_kernel(compute_t<T>* loss, std::int64_t lo
 
 // Element-wise given the row's stats: no reduction, so any group shape works. Reads the logits
 // and writes dlogits in packs where the two rows share an offset from a 16-byte boundary (Note
-// [Row packs]).
-template <class T, class I, RowGroup G>
+// [Row packs]). kInPlace: dlogits is the logits (Note [Reusing an input's memory],
+// core/autograd.h); a thread reads each of its columns once, before it writes it.
+template <class T, class I, RowGroup G, bool kInPlace>
 __global__ void cross_entropy_backward_kernel(T* dlogits, std::int64_t dld, const T* logits,
                                               std::int64_t ld, const compute_t<T>* stats,
                                               const I* target,
@@ -384,7 +391,7 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, std::int64_t dld, cons
     }
     const T* x = logits + row * ld;
     const A max = stats[2 * row], log_sum = stats[2 * row + 1], gi = g[row * g_stride];
-    visit_row(x, cols, split_of(x, static_cast<const T*>(d), cols), loop,
+    visit_row<!kInPlace>(x, cols, split_of(x, static_cast<const T*>(d), cols), loop,
               [&]<int N>(std::int64_t j, const A(&v)[N]) {
                 A out[N];
 #pragma unroll
@@ -619,6 +626,10 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
             "cross_entropy logits and dlogits must be (N, C) rows with unit column stride");
   const std::int64_t rows = logits.shape[0], cols = logits.shape[1];
   if (rows == 0) return;
+  // In place only as the same rows; any other overlap is the caller's bug.
+  const bool in_place = dlogits.data == logits.data;
+  MB_ASSERT(!in_place || dlogits.strides[0] == logits.strides[0],
+            "cross_entropy in place needs dlogits laid out as the logits");
   const double s = args.label_smoothing;
   dispatch_float(logits.dtype, "cross_entropy", [&]<class T>() {
     using A = compute_t<T>;
@@ -627,12 +638,18 @@ void cross_entropy_backward(const StridedView& dlogits, const StridedView& logit
     const A on = static_cast<A>(1.0 - s);
     dispatch_index(target.dtype, "cross_entropy", [&]<class I>() {
       with_row_group(cols, [&]<RowGroup G>() {
-        cross_entropy_backward_kernel<T, I, G>
-            <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
-                dlogits.ptr<T>(), dlogits.strides[0], logits.ptr<T>(), logits.strides[0],
-                stats.ptr<A>(), target.ptr<I>(),
-                target.strides[0], g.ptr<A>(), g.strides[0], rows, cols, args.ignore_index, off,
-                on);
+        const auto run = [&]<bool kInPlace>() {
+          cross_entropy_backward_kernel<T, I, G, kInPlace>
+              <<<row_blocks<G>(rows), kThreads, 0, current_stream()>>>(
+                  dlogits.ptr<T>(), dlogits.strides[0], logits.ptr<T>(), logits.strides[0],
+                  stats.ptr<A>(), target.ptr<I>(), target.strides[0], g.ptr<A>(), g.strides[0],
+                  rows, cols, args.ignore_index, off, on);
+        };
+        if (in_place) {
+          run.template operator()<true>();
+        } else {
+          run.template operator()<false>();
+        }
         MB_CUDA_CHECK_LAUNCH("cross_entropy_backward_kernel");
       });
     });

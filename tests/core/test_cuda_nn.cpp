@@ -419,6 +419,57 @@ MB_CUDA_TEST_CASE("cuda cross_entropy: offset and -inf logits, 1e4 + noise, the 
                   "cross_entropy rerun");
 }
 
+// Note [Reusing an input's memory]: the in-place backward (logits only cross_entropy holds) gives
+// the bits of the one that allocates (logits the caller keeps), with one logits' worth less memory
+// at its peak: over dense rows at every offset from a 16-byte boundary (x * 2), and over a 16-bit
+// linear's padded rows (Note [Padded rows], core/ops/linalg.cpp), as GPT-2's head makes them.
+MB_CUDA_TEST_CASE("cuda cross_entropy writes its gradient over logits that nothing else holds") {
+  struct Run {
+    V grads;
+    std::int64_t peak = 0;
+  };
+  using Make = std::function<Tensor(const V&)>;
+  auto run = [](const Make& make, const V& leaves, const Tensor& target, bool keep) {
+    V in;
+    for (const Tensor& t : leaves) {
+      Tensor g = t.detach().to(cuda_device(0));
+      g.requires_grad_(true);
+      in.push_back(g);
+    }
+    Tensor logits = make(in);
+    const std::int64_t bytes = logits.storage()->nbytes;
+    Tensor loss = cross_entropy(logits, target.to(cuda_device(0)), {.label_smoothing = 0.1});
+    if (!keep) logits = Tensor();
+    reset_peak_memory_stats(cuda_device(0));
+    const std::int64_t before = memory_stats(cuda_device(0)).allocated.current;
+    loss.backward();
+    Run r{{}, memory_stats(cuda_device(0)).allocated.peak - before};
+    for (const Tensor& t : in) r.grads.push_back(t.grad().to(kCPU));
+    return std::pair{r, bytes};
+  };
+  for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+    for (std::int64_t c : {37, 50257}) {
+      const std::int64_t n = 9;
+      Tensor target = class_targets(n, c, {4});
+      const Make scaled = [](const V& in) { return in[0] * 2.0; };
+      const Make head = [](const V& in) { return linear(in[0], in[1]); };
+      const std::vector<std::pair<Make, V>> cases{
+          {scaled, {leaf({n, c}, dt, 70 + c, -4, 4)}},
+          {head, {leaf({n, 16}, dt, 71 + c), leaf({c, 16}, dt, 72 + c)}}};
+      for (std::size_t k = 0; k < cases.size(); ++k) {
+        const std::string name = label(k == 0 ? "x * 2" : "linear head", dt, c);
+        CAPTURE(name);
+        const auto [kept, bytes] = run(cases[k].first, cases[k].second, target, true);
+        const Run dropped = run(cases[k].first, cases[k].second, target, false).first;
+        check_same_bits(dropped.grads, kept.grads, name + " dlogits over the logits");
+        CHECK(kept.peak - dropped.peak ==
+              static_cast<std::int64_t>((static_cast<std::size_t>(bytes) + kBlockRound - 1) /
+                                        kBlockRound * kBlockRound));
+      }
+    }
+  }
+}
+
 MB_CUDA_TEST_CASE("cuda cross_entropy: every row ignored, i32 targets, (N, C, d) logits") {
   Tensor logits = leaf({4, 7}, DType::f32, 5);
   Tensor none = class_targets(4, 7, {0, 1, 2, 3});

@@ -253,6 +253,63 @@ TEST_CASE("cross_entropy gradcheck") {
             {input({2, 4, 3}, -2, 2, 43)});
 }
 
+// Note [Reusing an input's memory]: logits made by an op (x * 2, whose backward keeps nothing of
+// its output) that only cross_entropy holds get their gradient written over them. The same gradient,
+// bit for bit, as when the caller keeps the logits (which stay intact), and one logits' worth less
+// memory at the backward's peak.
+TEST_CASE("cross_entropy writes its gradient over logits that nothing else holds") {
+  struct Run {
+    Tensor grad;
+    std::int64_t peak = 0;  // allocated bytes above those before the backward
+  };
+  // keep: the caller holds the logits through the backward; retain: the graph is retained and
+  // the backward run twice (the second must see the logits unchanged).
+  auto run = [](const Tensor& x0, const Tensor& t, const CrossEntropyOptions& o, bool keep,
+                bool retain) {
+    Tensor x = x0.detach().clone();
+    x.requires_grad_(true);
+    Tensor logits = x * 2.0;
+    Tensor loss = cross_entropy(logits, t, o);
+    if (o.reduction == Reduction::None) loss = sum(loss);
+    if (!keep) logits = Tensor();
+    reset_peak_memory_stats(kCPU);
+    const std::int64_t before = memory_stats(kCPU).allocated.current;
+    if (retain) {
+      loss.backward({}, {.retain_graph = true});
+      x.grad().zero_();
+    }
+    loss.backward();
+    Run r{x.grad().clone(), memory_stats(kCPU).allocated.peak - before};
+    if (keep) check_close(logits, x0.to(logits.dtype()) * 2.0, 0, 0, "logits kept intact");
+    return r;
+  };
+  for (DType dt : {DType::f64, DType::f32, DType::bf16, DType::f16}) {
+    for (Reduction r : {Reduction::None, Reduction::Sum, Reduction::Mean}) {
+      for (double s : {0.0, 0.2}) {
+        const CrossEntropyOptions o{.reduction = r, .label_smoothing = s};
+        const std::string name = std::string(dtype_name(dt)) + " reduction " +
+                                 std::to_string(static_cast<int>(r)) + " smoothing " +
+                                 std::to_string(s);
+        CAPTURE(name);
+        // Odd widths: the values.
+        Tensor x0 = input({6, 37}, -3, 3, 61).detach().to(dt);
+        Tensor t = targets({36, -100, 0, 5, 17, 2});
+        const Run kept = run(x0, t, o, true, false), dropped = run(x0, t, o, false, false);
+        check_close(dropped.grad, kept.grad, 0, 0, name + " dlogits written over the logits");
+        check_close(run(x0, t, o, false, true).grad, kept.grad, 0, 0, name + " retained graph");
+        // Rows of 512-byte multiples (the allocator's rounding): the memory.
+        Tensor y0 = input({8, 64}, -3, 3, 62).detach().to(dt);
+        Tensor ty = targets({63, 0, -100, 5, 17, 2, 40, 1});
+        const Run big_kept = run(y0, ty, o, true, false);
+        const Run big_dropped = run(y0, ty, o, false, false);
+        const auto logits_bytes = 8 * 64 * static_cast<std::int64_t>(dtype_size(dt));
+        CHECK(big_kept.peak - big_dropped.peak == logits_bytes);
+        check_close(big_dropped.grad, big_kept.grad, 0, 0, name + " (8, 64)");
+      }
+    }
+  }
+}
+
 TEST_CASE("cross_entropy with (N, C, d) logits and (B, T, C) reshaped by the caller") {
   Tensor x = input({2, 4, 3}, -2, 2, 51).detach();  // (N, C, d)
   Tensor t = from_vector({1, 0, 3, -100, 2, 1}, {2, 3}, {.dtype = DType::i64});

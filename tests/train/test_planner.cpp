@@ -103,8 +103,8 @@ struct RealRun {
 };
 
 // Trains `windows` windows of the effective batch in micro-batches of n (the last one smaller) on
-// the CPU, as the Trainer does: fresh micro-batch tensors per step, held with the model's output
-// until its backward has run, and AdamW at each window's end.
+// the CPU, as the Trainer does: fresh micro-batch tensors per step, held with the model's loss
+// until its backward has run (the logits dropped before it), and AdamW at each window's end.
 // The budget, if given, caps the bytes the run may add to what the process already holds.
 RealRun run_on_cpu(const Case& c, std::int64_t n, bool ckpt, std::optional<std::int64_t> budget,
                    int windows = 2) {
@@ -124,7 +124,8 @@ RealRun run_on_cpu(const Case& c, std::int64_t n, bool ckpt, std::optional<std::
     for (int w = 0; w < windows; ++w) {
       for (std::int64_t first = 0; first < c.effective; first += n) {
         const Batch batch = c.sample(std::min(n, c.effective - first));
-        const nn::ModelOutput out = model->forward(batch.inputs, batch.labels);
+        nn::ModelOutput out = model->forward(batch.inputs, batch.labels);
+        out.logits = Tensor();
         out.loss.backward();
       }
       optimizer.step();
