@@ -345,21 +345,25 @@ SavePlan plan_save(const NamedTensorMap& tensors, const std::map<std::string, st
     return dtype_size(a.second.dtype()) > dtype_size(b.second.dtype());
   });
 
+  // The header is written entry by entry, "__metadata__" first as the reference writer does:
+  // building it as one ordered_json looked each name up by a linear search, which made saving
+  // quadratic in the tensor count.
   SavePlan plan;
-  nlohmann::ordered_json full = {{"__metadata__", nullptr}};  // first, as the reference writer does
+  std::string entries;
   std::uint64_t pos = 0;
   for (auto& [name, t] : items) {
     const auto* bytes = static_cast<const std::uint8_t*>(t.raw_data());
     meta[prefix + name] = fmt::format("{:08x}", checksum_crc32({bytes, bytes ? t.nbytes() : 0}));
-    full[name] = {{"dtype", format_dtype_name(t.dtype())},
-                  {"shape", t.shape()},
-                  {"data_offsets", {pos, pos + t.nbytes()}}};
+    const nlohmann::ordered_json entry = {{"dtype", format_dtype_name(t.dtype())},
+                                          {"shape", t.shape()},
+                                          {"data_offsets", {pos, pos + t.nbytes()}}};
+    entries += ',' + json(name).dump() + ':' + entry.dump();
     pos += t.nbytes();
     plan.data.push_back(std::move(t));
   }
-  if (meta.empty()) full.erase("__metadata__");
-  else full["__metadata__"] = meta;
-  plan.header = full.dump();
+  if (!meta.empty()) entries.insert(0, ",\"__metadata__\":" + meta.dump());
+  if (!entries.empty()) entries[0] = '{';
+  plan.header = entries.empty() ? "{}" : entries + '}';
   plan.header.resize((plan.header.size() + 7) / 8 * 8, ' ');
   return plan;
 }

@@ -229,6 +229,16 @@ TEST_CASE("safetensors: writer pads the header, orders by alignment then name, l
   CHECK(Bytes(file.begin() + at, file.begin() + at + 4) == Bytes{0x04, 0x03, 0x02, 0x01});
   CHECK(header["c_i32"]["dtype"] == "I32");
   CHECK(header["b_f16"]["shape"] == nlohmann::json::array({1}));
+  // As the reference writer lays it out: "__metadata__" first, then the tensors in data order,
+  // each entry's fields in the order dtype, shape, data_offsets.
+  CHECK(text.rfind("{\"__metadata__\":{\"microbatch.crc32.a_u8\":", 0) == 0);
+  CHECK(text.find("},\"d_f64\":{\"dtype\":\"F64\",\"shape\":[2],\"data_offsets\":[0,16]},"
+                  "\"g_i64\":{") != std::string::npos);
+  CHECK(text.find("\"e_bool\":{\"dtype\":\"BOOL\",\"shape\":[1],\"data_offsets\":[37,38]}}") !=
+        std::string::npos);
+  // No tensors, no metadata: an empty object.
+  const Bytes empty_file = save_safetensors_bytes({});
+  CHECK(std::string(empty_file.begin() + 8, empty_file.end()) == "{}      ");
 }
 
 TEST_CASE("safetensors: atomic save replaces the destination and leaves no temporary") {
@@ -298,6 +308,18 @@ TEST_CASE("safetensors: a header of 20000 tensors loads (the parse is linear in 
   for (int i = 0; i < kCount; ++i)
     bytes[bytes.size() - kCount + i] = static_cast<std::uint8_t>(i % 251);
   const SafetensorsFile f = load_safetensors_bytes(bytes);
+  CHECK(f.tensors.size() == kCount);
+  CHECK(f.tensors.at("layer.12345.w").to_vector() == std::vector<double>{12345 % 251});
+}
+
+TEST_CASE("safetensors: 20000 tensors save and load back (the header is built linearly)") {
+  // A count at which a header built by looking each name up in the entries so far takes seconds.
+  constexpr int kCount = 20000;
+  NamedTensorMap in;
+  for (int i = 0; i < kCount; ++i)
+    in[fmt::format("layer.{}.w", i)] =
+        from_vector({static_cast<double>(i % 251)}, {1}, {.dtype = DType::u8});
+  const SafetensorsFile f = load_safetensors_bytes(save_safetensors_bytes(in));
   CHECK(f.tensors.size() == kCount);
   CHECK(f.tensors.at("layer.12345.w").to_vector() == std::vector<double>{12345 % 251});
 }
