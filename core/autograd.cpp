@@ -100,6 +100,10 @@ SavedTensor::SavedTensor(const Tensor& t, const char* op)
     : tensor_(t), version_(t.defined() ? t.version() : 0), op_(op) {}
 
 Tensor SavedTensor::get() const {
+  MB_CHECK(!taken_,
+           "[backward] trying to backward through {} a second time: it wrote its gradient over "
+           "a tensor it saved",
+           op_);
   if (tensor_.defined()) {
     MB_CHECK(tensor_.version() == version_,
              "[autograd] a tensor that {} saved for backward was modified in place since "
@@ -109,15 +113,17 @@ Tensor SavedTensor::get() const {
   return tensor_;
 }
 
+bool SavedTensor::only_handle() const {
+  return !retaining_graph() && !taken_ && tensor_.defined() &&
+         tensor_.impl_ptr().use_count() == 1 && tensor_.storage().use_count() == 1;
+}
+
 Tensor SavedTensor::take() {
   MB_ASSERT(!retaining_graph(), "[autograd] {} took a saved tensor of a retained graph", op_);
   Tensor t = get();
   tensor_ = Tensor();
+  taken_ = true;
   return t;
-}
-
-bool sole_handle(const Tensor& t) {
-  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1;
 }
 
 // ---- recording ---------------------------------------------------------------------------------

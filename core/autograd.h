@@ -76,15 +76,20 @@ class SavedTensor {
   static SavedTensor output(const Tensor& out, const char* op) { return SavedTensor(out.detach(), op); }
   /// The saved tensor; throws if its version changed since it was saved.
   Tensor get() const;
+  /// Whether this handle is the only one on the saved tensor and on its memory, in a backward
+  /// that does not retain its graph: nothing else can see it (Note [Reusing an input's memory]).
+  bool only_handle() const;
   /// The saved tensor, checked as get() does, and this node's handle on it let go, so that the
-  /// caller's may be the only one left (Note [Reusing an input's memory]). Only for a backward
-  /// that runs once: call it only when retaining_graph() is false.
+  /// caller's is the only one left when only_handle() was true. A later get() or take() throws.
+  /// Call it last, after everything in the formula that can throw: a node whose backward failed
+  /// may be run again.
   Tensor take();
 
  private:
   Tensor tensor_;
   std::int64_t version_ = 0;
   const char* op_ = "";
+  bool taken_ = false;
 };
 
 // ---- grad mode ---------------------------------------------------------------------------------
@@ -147,11 +152,11 @@ bool retaining_graph();
 /// Note [Reusing an input's memory]: a backward formula whose gradient has its input's shape,
 /// dtype and layout, and whose kernel reads each element of the input before writing the same
 /// element of the gradient (cross_entropy's), may write the gradient over the input once nothing
-/// else can see it: the graph is not retained, the formula took its saved handle (take()), and
-/// that handle is the only one on the tensor and on its memory (no view, no caller's variable, no
-/// other node). The gradient then costs no memory of its own; a caller that keeps the input (a
-/// model output's logits, say) keeps it intact and the formula allocates as before.
-bool sole_handle(const Tensor& t);
+/// else can see it: the graph is not retained and the node's saved handle is the only one on the
+/// tensor and on its memory (SavedTensor::only_handle(): no view, no caller's variable, no other
+/// node). The formula then takes that handle (take()) and the gradient costs no memory of its
+/// own; a caller that keeps the input (a model output's logits, say) keeps it intact and the
+/// formula allocates as before.
 
 /// Whether a backward formula may add its gradient for `t` straight into t.grad (`grad += w * g`
 /// with w = grad_weight(), Note [Gradient writes]) and return no gradient for it: t is a leaf that

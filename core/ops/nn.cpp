@@ -145,7 +145,9 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
          [sx = SavedTensor(x, "cross_entropy"), st = SavedTensor(target, "cross_entropy"), stats,
           count, n, c, args, reduction = options.reduction,
           math](const Tensor& g) mutable {
-           Tensor xv = retaining_graph() ? sx.get() : sx.take(), tv = st.get();
+           // Whether nothing else sees the logits, before get() makes a second handle.
+           const bool alone = sx.only_handle();
+           Tensor xv = sx.get(), tv = st.get();
            Tensor gm = g.dtype() == math ? g : g.to(math);
            Tensor g_row;  // (N) the weight of each row's loss, possibly a stride-0 expansion
            switch (reduction) {
@@ -164,10 +166,15 @@ Tensor cross_entropy_2d(const Tensor& logits, const Tensor& target,
            // memory], core/autograd.h): the kernels read each logit before writing its gradient.
            const std::int64_t pad = n > 1 ? xv.strides()[0] - c : 0;
            const std::int64_t ld = pad > 0 && pad < 8 ? c + pad : c;
-           const bool reuse = sole_handle(xv) && xv.strides()[1] == 1 && (n <= 1 || pad == ld - c);
-           Tensor dlogits =
-               reuse ? xv.detach() : empty({n, ld}, {.dtype = xv.dtype(), .device = xv.device()});
-           if (!reuse && ld != c) dlogits = dlogits.slice(1, 0, c);
+           const bool reuse = alone && xv.strides()[1] == 1 && (n <= 1 || pad == ld - c);
+           Tensor dlogits;
+           if (reuse) {
+             dlogits = xv.detach();
+             xv = sx.take();  // last, after all that can throw: a failed backward can be rerun
+           } else {
+             dlogits = empty({n, ld}, {.dtype = xv.dtype(), .device = xv.device()});
+             if (ld != c) dlogits = dlogits.slice(1, 0, c);
+           }
            launch(
                "cross_entropy", xv.device(),
                [&] {

@@ -310,6 +310,40 @@ TEST_CASE("cross_entropy writes its gradient over logits that nothing else holds
   }
 }
 
+// A backward that fails part-way can be run again: the node gives up its saved logits only once
+// nothing that can throw is left. Here the caller keeps the logits (no reuse) and the gradient's
+// allocation (2 MiB, a new block) is refused by the memory budget the first time.
+TEST_CASE("cross_entropy's backward runs again after it ran out of memory") {
+  Tensor x0 = input({64, 8192}, -3, 3, 63).detach();
+  std::vector<double> labels(64);
+  for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<double>(i * 97 % 8192);
+  Tensor t = targets(labels);
+  Tensor want = grad_of([&](const Tensor& v) { return cross_entropy(v * 2.0, t); }, x0, ones({}));
+  Tensor x = x0.clone();
+  x.requires_grad_(true);
+  Tensor logits = x * 2.0;
+  Tensor loss = cross_entropy(logits, t);
+  empty_cache(kCPU);
+  {  // cached small blocks: the backward's small tensors fit, the gradient does not
+    std::vector<Tensor> small;
+    for (int i = 0; i < 8; ++i) small.push_back(empty({1}));
+  }
+  set_memory_budget(kCPU, static_cast<std::size_t>(memory_stats(kCPU).reserved.current));
+  std::string refusal;
+  try {
+    loss.backward();
+  } catch (const OutOfMemoryError& e) {
+    refusal = e.what();
+  }
+  clear_memory_budget(kCPU);
+  CAPTURE(refusal);
+  // The refused request is the gradient's (MiB), not one of the small tensors' before it.
+  REQUIRE(refusal.find(" MiB; allocated") != std::string::npos);
+  loss.backward();
+  check_close(x.grad(), want, 0, 0, "gradient after the rerun");
+  check_close(logits, x0 * 2.0, 0, 0, "logits kept intact");
+}
+
 TEST_CASE("cross_entropy with (N, C, d) logits and (B, T, C) reshaped by the caller") {
   Tensor x = input({2, 4, 3}, -2, 2, 51).detach();  // (N, C, d)
   Tensor t = from_vector({1, 0, 3, -100, 2, 1}, {2, 3}, {.dtype = DType::i64});
