@@ -98,8 +98,17 @@ StridedView matrix(const StridedView& v) { return drop_first(v, 0); }
 Window2d plan_window(const char* op, const Tensor& x, std::int64_t kernel_h, std::int64_t kernel_w,
                      std::int64_t stride, std::int64_t padding) {
   MB_CHECK(x.dim() == 4, "[{}] input must be (N, C, H, W), got shape {}", op, shape_str(x.shape()));
+  // A kernel with no taps gives windows that see nothing (conv2d summed them to zeros); torch
+  // refuses it.
+  MB_CHECK(kernel_h > 0 && kernel_w > 0, "[{}] kernel size must be greater than zero, got ({}, {})",
+           op, kernel_h, kernel_w);
   MB_CHECK(stride > 0, "[{}] stride must be positive, got {}", op, stride);
   MB_CHECK(padding >= 0, "[{}] padding must be non-negative, got {}", op, padding);
+  // As torch: an empty plane padded to a non-empty one would leave windows that see only padding
+  // (max_pool2d's would have no argmax for its backward to scatter to).
+  MB_CHECK(x.shape()[2] > 0 && x.shape()[3] > 0,
+           "[{}] input {} has an empty plane: only the batch and channel dims may be 0", op,
+           shape_str(x.shape()));
   Window2d w;
   w.channels = x.shape()[1];
   w.height = x.shape()[2];

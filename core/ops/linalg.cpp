@@ -55,19 +55,22 @@ DType gemm_math(DType dt, Backend backend) {
   return DType::f32;
 }
 
-// (B, M, K) @ (B, K, N) -> (B, M, N); a batch of size 1 in one operand broadcasts.
+// (B, M, K) @ (B, K, N) -> (B, M, N); a batch of size 1 in one operand broadcasts (to 0 too).
 Tensor bmm(const Tensor& a, const Tensor& b) {
   MB_CHECK(a.shape()[2] == b.shape()[1], "[matmul] inner dimensions differ: {} @ {}",
            shape_str(a.shape()), shape_str(b.shape()));
-  const std::int64_t batch = std::max(a.shape()[0], b.shape()[0]);
   MB_CHECK(a.shape()[0] == b.shape()[0] || a.shape()[0] == 1 || b.shape()[0] == 1,
            "[matmul] batch sizes differ: {} @ {}", shape_str(a.shape()), shape_str(b.shape()));
+  // Not max(): a batch of 1 against an empty batch broadcasts to 0, as torch.
+  const std::int64_t batch = a.shape()[0] == 1 ? b.shape()[0] : a.shape()[0];
   const DType dt = a.dtype();
   const Backend backend = backend_of(a.device());
   // 16-bit inputs multiply in f32 and round once at the end.
   const DType math = gemm_math(dt, backend);
   Tensor out = empty({batch, a.shape()[1], b.shape()[2]}, {.dtype = dt, .device = a.device()});
-  {
+  // An empty output has nothing to compute on either backend (and no operand copies to make);
+  // K = 0 with a non-empty output still runs, as the GEMM writes its zeros.
+  if (out.numel() > 0) {
     // The operand copies are made outside launch() so that the meta device sees them too.
     NoGradGuard no_grad;
     Tensor x = gemm_ready(a.to(math), backend), y = gemm_ready(b.to(math), backend);
@@ -184,6 +187,8 @@ namespace {
 // math dtype, where both slots are in that dtype (layer_norm_backward in kernels/nn.h); otherwise
 // both go through AccumulateGrad.
 void add_column_sums_into(const Tensor& slot, const Tensor& g2, double weight) {
+  // No rows add zero (and CUDA's column split has no chunks for them); no columns, no bias.
+  if (g2.numel() == 0) return;
   // The CPU reads any layout; CUDA reads unit-stride rows, copying others.
   Tensor partials, rows = g2;
   if (backend_of(g2.device()) == Backend::cuda) {
@@ -200,6 +205,23 @@ void add_column_sums_into(const Tensor& slot, const Tensor& g2, double weight) {
   slot.bump_version();
 }
 
+// grad (N, K) += weight * g2^T (N, M) @ x2 (M, K) in one GEMM, reading its operands in dtype
+// `operands` (Note [Weight-gradient GEMM]).
+void add_weight_grad_into(const Tensor& grad, const Tensor& g2, const Tensor& x2, DType operands,
+                          double weight) {
+  // M = 0 adds zero, and N = 0 or K = 0 leaves an empty buffer: nothing to launch.
+  if (g2.numel() == 0 || x2.numel() == 0) return;
+  const Backend backend = backend_of(grad.device());
+  Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(operands), backend);  // (1, N, M)
+  Tensor xm = gemm_ready(x2.unsqueeze(0).to(operands), backend);      // (1, M, K)
+  const Tensor acc = grad.unsqueeze(0);                               // (1, N, K)
+  launch(
+      "linear", grad.device(),
+      [&] { kernels::cpu::gemm(gm.kview(), xm.kview(), acc.kview(), weight, 1.0); },
+      [&] { kernels::cuda::gemm(gm.kview(), xm.kview(), acc.kview(), weight, 1.0); });
+  grad.bump_version();
+}
+
 // linear's weight and bias gradients for the output gradient g2 (M, N) and the input x2 (M, K):
 // each is added straight into its parameter's gradient buffer where that accumulates in place
 // (Notes [Weight-gradient GEMM] and [Bias gradients in place]) and then returned undefined; else
@@ -214,16 +236,7 @@ std::pair<Tensor, Tensor> linear_param_grads(const Tensor& g2, const Tensor& x2,
     const std::optional<DType> operands =
         accumulates_in_place(w) ? weight_grad_operands(grad, g2.dtype()) : std::nullopt;
     if (operands) {
-      const Backend backend = backend_of(grad.device());
-      Tensor gm = gemm_ready(g2.t().unsqueeze(0).to(*operands), backend);  // (1, N, M)
-      Tensor xm = gemm_ready(x2.unsqueeze(0).to(*operands), backend);      // (1, M, K)
-      const double alpha = grad_weight();
-      const Tensor acc = grad.unsqueeze(0);  // (1, N, K)
-      launch(
-          "linear", grad.device(),
-          [&] { kernels::cpu::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); },
-          [&] { kernels::cuda::gemm(gm.kview(), xm.kview(), acc.kview(), alpha, 1.0); });
-      grad.bump_version();
+      add_weight_grad_into(grad, g2, x2, *operands, grad_weight());
     } else {
       dw = matmul(g2.t(), x2);
     }
@@ -266,11 +279,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   const Backend backend = backend_of(x.device());
   const DType math = gemm_math(dt, backend);
   Shape out_shape(x.shape().begin(), x.shape().end() - 1);
+  // The rows from x's leading dims, not from the output's numel, which is 0 when n is.
+  const std::int64_t m = shape_numel(out_shape);
   out_shape.push_back(n);
-  const std::int64_t m = shape_numel(out_shape) / std::max<std::int64_t>(n, 1);
   // (M, N), rows padded where Note [Padded rows] says.
   Tensor out = empty_rows(m, n, padded_row(m, n, dt, backend), {.dtype = dt, .device = x.device()});
-  {
+  // An empty output (M = 0 or N = 0) has nothing to compute on either backend; K = 0 with a
+  // non-empty output still runs, as the GEMM writes the bias (or zeros).
+  if (out.numel() > 0) {
     // 16-bit inputs multiply in f32, the bias is added in f32, and the result is rounded once
     // (Note [16-bit GEMMs by backend]). Copies are made outside launch() so that meta sees them.
     NoGradGuard no_grad;
@@ -328,7 +344,9 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
                 const Tensor& b2) {
   check_same_device("gelu_mlp", {x, w1, b1, w2, b2});
   const bool all = b1.defined() && b2.defined() && w1.dim() == 2 && w2.dim() == 2 && x.dim() >= 1;
-  if (backend_of(x.device()) != Backend::cuda || !all) {
+  // An empty problem has no activations to keep out of memory: the composition handles it.
+  const bool empty_problem = x.numel() == 0 || w1.numel() == 0 || w2.numel() == 0;
+  if (backend_of(x.device()) != Backend::cuda || !all || empty_problem) {
     return linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
   }
   check_floating("gelu_mlp", x);

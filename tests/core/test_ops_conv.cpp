@@ -249,3 +249,64 @@ TEST_CASE("max_pool2d errors") {
   Tensor meta = max_pool2d(empty({2, 3, 9, 9}, {.device = kMeta}), {.kernel_size = 3, .stride = 2, .padding = 1});
   CHECK(meta.shape() == Shape{2, 3, 5, 5});
 }
+
+TEST_CASE("conv2d and max_pool2d refuse an empty kernel or plane, as torch") {
+  Tensor x = ones({1, 1, 3, 3});
+  check_throws_with([&] { conv2d(x, ones({1, 1, 0, 2})); },
+                    "[conv2d] kernel size must be greater than zero, got (0, 2)");
+  check_throws_with([&] { conv2d(x, ones({1, 1, 2, 0}), ones({1})); },
+                    "[conv2d] kernel size must be greater than zero, got (2, 0)");
+  check_throws_with([&] { conv2d(x, ones({1, 1, 2, 2}), {}, {.stride = -1}); },
+                    "[conv2d] stride must be positive, got -1");
+  // An empty plane, even padded to a non-empty one: only the batch and channels may be 0.
+  check_throws_with([&] { conv2d(ones({1, 1, 0, 3}), ones({2, 1, 1, 1}), {}, {.padding = 1}); },
+                    "[conv2d] input (1, 1, 0, 3) has an empty plane: only the batch and channel "
+                    "dims may be 0");
+  check_throws_with([&] { conv2d(ones({1, 1, 3, 0}), ones({2, 1, 1, 1})); },
+                    "[conv2d] input (1, 1, 3, 0) has an empty plane");
+  // Padding 1 around an empty plane made one window of padding alone, with no argmax to scatter to.
+  check_throws_with([&] { max_pool2d(ones({1, 1, 0, 4}), {.kernel_size = 2, .padding = 1}); },
+                    "[max_pool2d] input (1, 1, 0, 4) has an empty plane");
+  check_throws_with([&] { max_pool2d(ones({1, 1, 4, 0})); },
+                    "[max_pool2d] input (1, 1, 4, 0) has an empty plane");
+}
+
+TEST_CASE("conv2d and max_pool2d with an empty batch or channels") {
+  // As torch: an empty batch gives an empty output, zero weight and bias gradients.
+  Tensor x = ones({0, 1, 3, 3}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor w = ones({2, 1, 2, 2}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor b = ones({2}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor y = conv2d(x, w, b);
+  CHECK(y.shape() == Shape{0, 2, 2, 2});
+  sum(y).backward();
+  CHECK(x.grad().shape() == Shape{0, 1, 3, 3});
+  check_close(w.grad(), zeros({2, 1, 2, 2}, {.dtype = DType::f64}), 0, 0, "dweight, empty batch");
+  check_close(b.grad(), zeros({2}, {.dtype = DType::f64}), 0, 0, "dbias, empty batch");
+  // No input channels: every output is its bias (a sum over no taps), and dbias counts them.
+  // (torch 1.13 returns a (1, 0, 2, 2) tensor here, whatever the weight's O.)
+  Tensor xc = ones({1, 0, 3, 3}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor wc = ones({2, 0, 2, 2}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor bc = from_vector({1, 2}, {2}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor yc = conv2d(xc, wc, bc);
+  check_close(yc, {1, 1, 1, 1, 2, 2, 2, 2}, 0, 0, "bias only");
+  sum(yc).backward();
+  CHECK(xc.grad().shape() == Shape{1, 0, 3, 3});
+  CHECK(wc.grad().shape() == Shape{2, 0, 2, 2});
+  check_close(bc.grad(), {4, 4}, 0, 0, "dbias, no channels");
+  // No output channels: an empty output and a zero input gradient.
+  Tensor xo = ones({1, 1, 3, 3}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor yo = conv2d(xo, ones({0, 1, 2, 2}, {.dtype = DType::f64}));
+  CHECK(yo.shape() == Shape{1, 0, 2, 2});
+  sum(yo).backward();
+  check_close(xo.grad(), zeros({1, 1, 3, 3}, {.dtype = DType::f64}), 0, 0,
+              "dx, no output channels");
+  // max_pool2d: an empty batch or channels pool to nothing, and back.
+  for (const Shape& s : {Shape{0, 1, 4, 4}, Shape{1, 0, 4, 4}}) {
+    CAPTURE(shape_str(s));
+    Tensor xp = ones(s).requires_grad_(true);
+    Tensor yp = max_pool2d(xp, {.kernel_size = 2, .padding = 1});
+    CHECK(yp.shape() == Shape{s[0], s[1], 3, 3});
+    sum(yp).backward();
+    CHECK(xp.grad().shape() == s);
+  }
+}

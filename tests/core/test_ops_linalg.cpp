@@ -129,3 +129,78 @@ TEST_CASE("linear writes the weight gradient straight into a preset buffer: grad
   check_close(got[0], reference, 1e-14, 1e-14, "captured dw");
   check_close(buffer, reference * 0.5, 1e-14, 1e-14, "buffer unchanged by grad()");
 }
+
+TEST_CASE("matmul broadcasts a batch of 1 against an empty batch, as torch") {
+  // (0, 2, 3) @ (1, 3, 4) and its mirror: the batch of 1 broadcasts to 0, not 0 to 1.
+  for (bool mirror : {false, true}) {
+    CAPTURE(mirror);
+    Tensor a = ones({mirror ? 1 : 0, 2, 3}, {.dtype = DType::f64}).requires_grad_(true);
+    Tensor b = ones({mirror ? 0 : 1, 3, 4}, {.dtype = DType::f64}).requires_grad_(true);
+    Tensor y = matmul(a, b);
+    CHECK(y.shape() == Shape{0, 2, 4});
+    sum(y).backward();
+    // The broadcast operand's gradient sums over no batches: zeros of its own shape.
+    const Tensor& broadcast = mirror ? a : b;
+    const Tensor& emptied = mirror ? b : a;
+    CHECK(broadcast.grad().shape() == broadcast.shape());
+    check_close(broadcast.grad(), zeros(broadcast.shape(), {.dtype = DType::f64}), 0, 0,
+                "zero grad");
+    CHECK(emptied.grad().shape() == emptied.shape());
+  }
+  CHECK(matmul(ones({2, 0, 2, 3}), ones({1, 3, 4})).shape() == Shape{2, 0, 2, 4});
+  CHECK(matmul(ones({3}), ones({0, 3, 4})).shape() == Shape{0, 4});
+  CHECK(matmul(ones({0, 2, 3}), ones({3})).shape() == Shape{0, 2});
+  // K = 0 with a broadcast batch still writes zeros.
+  check_close(matmul(ones({2, 2, 0}), ones({1, 0, 4})), std::vector<double>(16, 0.0), 0, 0,
+              "K = 0");
+  check_throws_with([] { matmul(ones({0, 2, 3}), ones({2, 3, 4})); }, "[matmul]");
+}
+
+TEST_CASE("linear with no output features or no rows gives empty outputs and zero gradients") {
+  // torch: linear((3, 4), (0, 4), (0)) is (3, 0), and the input's gradient is zeros.
+  for (const Shape& xs : {Shape{3, 4}, Shape{2, 3, 4}, Shape{4}}) {
+    CAPTURE(shape_str(xs));
+    Tensor x = ones(xs, {.dtype = DType::f64}).requires_grad_(true);
+    Tensor w = ones({0, 4}, {.dtype = DType::f64}).requires_grad_(true);
+    Tensor b = ones({0}, {.dtype = DType::f64}).requires_grad_(true);
+    Tensor y = linear(x, w, b);
+    Shape want(xs.begin(), xs.end() - 1);
+    want.push_back(0);
+    CHECK(y.shape() == want);
+    sum(y).backward();
+    check_close(x.grad(), zeros(xs, {.dtype = DType::f64}), 0, 0, "dx");
+    CHECK(w.grad().shape() == Shape{0, 4});
+    CHECK(b.grad().shape() == Shape{0});
+  }
+  // No rows: (0, 4) -> (0, 2), with zero weight and bias gradients.
+  Tensor x = ones({0, 4}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor w = ones({2, 4}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor b = ones({2}, {.dtype = DType::f64}).requires_grad_(true);
+  Tensor y = linear(x, w, b);
+  CHECK(y.shape() == Shape{0, 2});
+  sum(y).backward();
+  check_close(w.grad(), zeros({2, 4}, {.dtype = DType::f64}), 0, 0, "dw");
+  check_close(b.grad(), zeros({2}, {.dtype = DType::f64}), 0, 0, "db");
+  // Preset gradient buffers take the in-place path, which adds nothing for either empty case.
+  for (std::int64_t n : {0, 2}) {
+    CAPTURE(n);
+    Tensor xi = ones({n == 0 ? 3 : 0, 4});
+    Tensor wi = ones({n, 4}).requires_grad_(true), bi = ones({n}).requires_grad_(true);
+    Tensor wbuf = full({n, 4}, 0.5), bbuf = full({n}, 0.5);
+    wi.set_grad(wbuf);
+    bi.set_grad(bbuf);
+    sum(linear(xi, wi, bi)).backward();
+    CHECK(wi.grad().same_storage(wbuf));
+    CHECK(bi.grad().same_storage(bbuf));
+    check_close(wbuf, full({n, 4}, 0.5), 0, 0, "weight buffer unchanged");
+    check_close(bbuf, full({n}, 0.5), 0, 0, "bias buffer unchanged");
+  }
+  // The MLP composition with an empty output layer, and meta.
+  Tensor h = ones({3, 4}).requires_grad_(true);
+  Tensor out = gelu_mlp(h, ones({5, 4}), ones({5}), ones({0, 5}), ones({0}));
+  CHECK(out.shape() == Shape{3, 0});
+  sum(out).backward();
+  check_close(h.grad(), zeros({3, 4}), 0, 0, "gelu_mlp dx");
+  CHECK(linear(empty({3, 4}, {.device = kMeta}), empty({0, 4}, {.device = kMeta})).shape() ==
+        Shape{3, 0});
+}
