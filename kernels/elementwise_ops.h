@@ -31,7 +31,12 @@ struct Sigmoid {
     return e / (T(1) + e);
   }
 };
-struct Relu { template <class T> MB_HOST_DEVICE T operator()(T x) const { return x > T(0) ? x : T(0); } };
+struct Relu {  // NaN propagates, as torch.relu: NaN < 0 is false
+  template <class T> MB_HOST_DEVICE T operator()(T x) const {
+    if constexpr (std::is_unsigned_v<T>) return x;  // u8 and bool are never below 0
+    else return x < T(0) ? T(0) : x;
+  }
+};
 struct GeluErf {
   template <class T> MB_HOST_DEVICE T operator()(T x) const {
     return T(0.5) * x * (T(1) + std::erf(x * T(kInvSqrt2)));
@@ -57,6 +62,8 @@ struct Mul {
     else return a * b;
   }
 };
+// True division on floating types only: the op casts integer and bool operands to f32 first, as
+// torch.div (integer division would truncate, and traps on the CPU when dividing by zero).
 struct Div { template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return a / b; } };
 struct Pow {
   template <class T> MB_HOST_DEVICE T operator()(T a, T b) const { return static_cast<T>(std::pow(a, b)); }
@@ -76,8 +83,9 @@ struct Gt { template <class T> MB_HOST_DEVICE bool operator()(T a, T b) const { 
 struct Ge { template <class T> MB_HOST_DEVICE bool operator()(T a, T b) const { return a >= b; } };
 
 // Backward helpers: (x or y, dy) -> dx. They overwrite (activation gradients).
-struct ReluBackward {  // (x, dy): dy where x > 0
-  template <class T> MB_HOST_DEVICE T operator()(T x, T dy) const { return x > T(0) ? dy : T(0); }
+// (y, dy): 0 where y <= 0, else dy; as torch's threshold_backward, dy passes where y is NaN.
+struct ReluBackward {
+  template <class T> MB_HOST_DEVICE T operator()(T y, T dy) const { return y <= T(0) ? T(0) : dy; }
 };
 struct GeluErfBackward {  // (x, dy)
   template <class T> MB_HOST_DEVICE T operator()(T x, T dy) const {

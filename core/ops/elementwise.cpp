@@ -50,10 +50,36 @@ Tensor binary_kernel(const char* op, BinaryOp kind, const Tensor& a, const Tenso
   return out;
 }
 
-Tensor scalar_like(double v, const Tensor& t) {
+// Whether the integral value v is one of dt's (an integer dtype's) values.
+bool fits_integer(double v, DType dt) {
+  switch (dt) {
+    case DType::u8:
+      return v >= 0.0 && v <= 255.0;
+    case DType::i32:
+      return v >= -2147483648.0 && v <= 2147483647.0;
+    default:
+      return v >= -9223372036854775808.0 && v < 9223372036854775808.0;  // i64
+  }
+}
+
+// Note [Scalar operands]: a C++ scalar becomes a 0-d tensor for an op (`op`) with t. A double
+// cannot tell 2 from 2.0, so with an integer or bool tensor a finite integral value acts as a
+// Python int (an integer tensor keeps its dtype, so index arithmetic stays exact; bool takes i64,
+// as True + 1 = 2) and any other value as a Python float, which gives f32 (arange(5) * 2.5 is f32,
+// as torch). An integral value outside the integer dtype is refused rather than wrapped.
+Tensor scalar_like(double v, const Tensor& t, const char* op) {
   DType dt = t.dtype();
-  if (!is_floating(dt) && v != std::floor(v)) dt = DType::f32;
-  if (dt == DType::boolean) dt = DType::i64;
+  if (!is_floating(dt)) {
+    if (dt == DType::boolean) dt = DType::i64;
+    if (!std::isfinite(v) || v != std::floor(v)) {
+      dt = DType::f32;
+    } else {
+      MB_CHECK(fits_integer(v, dt),
+               "[{}] the scalar {} does not fit in the tensor's dtype {}; convert the tensor to a "
+               "wider or floating dtype first",
+               op, v, dtype_name(t.dtype()));
+    }
+  }
   return scalar_tensor(v, {.dtype = dt, .device = t.device()});
 }
 
@@ -86,6 +112,12 @@ Tensor add(const Tensor& a, const Tensor& b) {
 }
 
 Tensor sub(const Tensor& a, const Tensor& b) {
+  // Refused as torch refuses it: a bool operand makes no sense here, and the message names what
+  // was probably meant.
+  MB_CHECK(a.dtype() != DType::boolean && b.dtype() != DType::boolean,
+           "[sub] subtraction with a bool tensor is not supported (got {} - {}); ne(a, b) is the "
+           "exclusive or of two masks, eq(mask, false) inverts one",
+           dtype_name(a.dtype()), dtype_name(b.dtype()));
   Tensor out = binary_kernel("sub", BinaryOp::Sub, a, b);
   record("sub", {a, b}, out, [a = meta_of(a), b = meta_of(b)](const Tensor& g) {
     return std::vector<Tensor>{reduce_grad(g, a), reduce_grad(neg(g), b)};
@@ -106,6 +138,11 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor div(const Tensor& a, const Tensor& b) {
+  // True division, as torch.div: integer and bool operands give f32 (the default float dtype), so
+  // 5 / 2 = 2.5 and 1 / 0 = inf. They never require grad, so the casts record nothing.
+  if (!is_floating(promote_types(a.dtype(), b.dtype()))) {
+    return div(a.to(DType::f32), b.to(DType::f32));
+  }
   Tensor out = binary_kernel("div", BinaryOp::Div, a, b);
   record("div", {a, b}, out,
          [sa = SavedTensor(a, "div"), sb = SavedTensor(b, "div"), rb = b.requires_grad()](const Tensor& g) {
@@ -120,20 +157,28 @@ Tensor div(const Tensor& a, const Tensor& b) {
 Tensor pow(const Tensor& a, const Tensor& b) {
   check_floating("pow", a);
   Tensor out = binary_kernel("pow", BinaryOp::Pow, a, b);
-  record("pow", {a, b}, out,
-         [sa = SavedTensor(a, "pow"), sb = SavedTensor(b, "pow"), so = SavedTensor::output(out, "pow"),
-          rb = b.requires_grad()](const Tensor& g) {
-           Tensor x = sa.get(), y = sb.get();
-           Tensor da = reduce_grad(g * y * pow(x, y - 1.0), x);
-           Tensor db = rb ? reduce_grad(g * so.get() * log(x), y) : Tensor();
-           return std::vector<Tensor>{da, db};
-         });
+  // As torch, the terms that the formulas would make 0 * inf = NaN at a = 0 are 0: d/da where
+  // b == 0 (b * a^(b-1)), and d/db where a == 0 and b >= 0 (a^b * log a).
+  record(
+      "pow", {a, b}, out,
+      [sa = SavedTensor(a, "pow"), sb = SavedTensor(b, "pow"), so = SavedTensor::output(out, "pow"),
+       ra = a.requires_grad(), rb = b.requires_grad()](const Tensor& g) {
+        Tensor x = sa.get(), y = sb.get();
+        const Tensor zero = scalar_tensor(0.0, {.dtype = g.dtype(), .device = g.device()});
+        Tensor da, db;
+        if (ra) da = reduce_grad(where(eq(y, zero), zero, g * y * pow(x, y - 1.0)), x);
+        if (rb) {
+          const Tensor base_zero = mul(eq(x, zero), ge(y, zero));  // bool mul is logical and
+          db = reduce_grad(where(base_zero, zero, g * so.get() * log(x)), y);
+        }
+        return std::vector<Tensor>{da, db};
+      });
   return out;
 }
 
 Tensor pow(const Tensor& a, double exponent) {
   check_floating("pow", a);
-  Tensor out = binary_kernel("pow", BinaryOp::Pow, a, scalar_like(exponent, a));
+  Tensor out = binary_kernel("pow", BinaryOp::Pow, a, scalar_like(exponent, a, "pow"));
   record("pow", {a}, out, [sa = SavedTensor(a, "pow"), exponent](const Tensor& g) {
     Tensor x = sa.get();
     if (exponent == 0.0) return std::vector<Tensor>{zeros_like(x)};
@@ -211,7 +256,8 @@ Tensor abs(const Tensor& a) {
   Tensor out = unary_kernel("abs", UnaryOp::Abs, a);
   record("abs", {a}, out, [sa = SavedTensor(a, "abs")](const Tensor& g) {
     Tensor x = sa.get();
-    Tensor sign = gt(x, scalar_like(0.0, x)).to(x.dtype()) - lt(x, scalar_like(0.0, x)).to(x.dtype());
+    const Tensor zero = scalar_like(0.0, x, "abs");
+    Tensor sign = gt(x, zero).to(x.dtype()) - lt(x, zero).to(x.dtype());
     return std::vector<Tensor>{g * sign};
   });
   return out;
@@ -269,10 +315,13 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
       "where", a.device(),
       [&] { kernels::cpu::where(out.kview(), c.kview(), x.kview(), y.kview()); },
       [&] { kernels::cuda::where(out.kview(), c.kview(), x.kview(), y.kview()); });
-  record("where", {a, b}, out, [cond, a = meta_of(a), b = meta_of(b)](const Tensor& g) {
-    Tensor zero = zeros_like(g);
-    return std::vector<Tensor>{reduce_grad(where(cond, g, zero), a), reduce_grad(where(cond, zero, g), b)};
-  });
+  // The condition is saved like any input: changed in place, it would route the gradient wrongly.
+  record("where", {a, b}, out,
+         [sc = SavedTensor(cond, "where"), a = meta_of(a), b = meta_of(b)](const Tensor& g) {
+           Tensor c = sc.get(), zero = zeros_like(g);
+           return std::vector<Tensor>{reduce_grad(where(c, g, zero), a),
+                                      reduce_grad(where(c, zero, g), b)};
+         });
   return out;
 }
 
@@ -287,8 +336,8 @@ Tensor masked_fill(const Tensor& a, const Tensor& mask, double value) {
     NoGradGuard no_grad;
     out = where(mask, scalar_tensor(value, {.dtype = a.dtype(), .device = a.device()}), a);
   }
-  record("masked_fill", {a}, out, [mask](const Tensor& g) {
-    return std::vector<Tensor>{where(mask, zeros_like(g), g)};
+  record("masked_fill", {a}, out, [sm = SavedTensor(mask, "masked_fill")](const Tensor& g) {
+    return std::vector<Tensor>{where(sm.get(), zeros_like(g), g)};
   });
   return out;
 }
@@ -324,13 +373,14 @@ Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
 Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
 Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
 Tensor operator-(const Tensor& a) { return neg(a); }
-Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a)); }
-Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a)); }
-Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a)); }
-Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a)); }
-Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b), b); }
-Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b), b); }
-Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b), b); }
-Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b), b); }
+// Note [Scalar operands] says which dtype the scalar takes.
+Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a, "add")); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a, "sub")); }
+Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a, "mul")); }
+Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a, "div")); }
+Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b, "add"), b); }
+Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b, "sub"), b); }
+Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b, "mul"), b); }
+Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b, "div"), b); }
 
 }  // namespace microbatch

@@ -213,7 +213,7 @@ void binary(BinaryOp op, const StridedView& out, const StridedView& a, const Str
     case BinaryOp::Add: return binary_same(out, a, b, ops::Add{});
     case BinaryOp::Sub: return binary_same(out, a, b, ops::Sub{});
     case BinaryOp::Mul: return binary_same(out, a, b, ops::Mul{});
-    case BinaryOp::Div: return binary_same(out, a, b, ops::Div{});
+    case BinaryOp::Div: return binary_floating(out, a, b, ops::Div{});
     case BinaryOp::Pow: return binary_same(out, a, b, ops::Pow{});
     case BinaryOp::Maximum: return binary_same(out, a, b, ops::Maximum{});
     case BinaryOp::Minimum: return binary_same(out, a, b, ops::Minimum{});

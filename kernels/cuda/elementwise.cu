@@ -374,7 +374,7 @@ void binary(BinaryOp op, const StridedView& out, const StridedView& a, const Str
     case BinaryOp::Mul:
       return binary_all("mul", out, a, b, ops::Mul{});
     case BinaryOp::Div:
-      return binary_all("div", out, a, b, ops::Div{});
+      return binary_float("div", out, a, b, ops::Div{});
     case BinaryOp::Maximum:
       return binary_all("maximum", out, a, b, ops::Maximum{});
     case BinaryOp::Minimum:

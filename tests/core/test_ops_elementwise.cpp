@@ -164,3 +164,124 @@ TEST_CASE("element-wise errors name the op and both shapes") {
   check_throws_with([] { where(zeros({2}), zeros({2}), zeros({2})); }, "[where] condition must be bool");
   check_throws_with([] { masked_fill(zeros({2}), zeros({3}, {.dtype = DType::boolean}), 1.0); }, "[masked_fill]");
 }
+
+TEST_CASE("div is true division: integer and bool operands give f32") {
+  // As torch.div: 1 / 0 = inf and 0 / 0 = NaN rather than a trap, 5 / 2 = 2.5 rather than 2.
+  const Tensor i = arange(0, 4, 1, {.dtype = DType::i64});
+  const Tensor q = div(i, zeros({4}, {.dtype = DType::i64}));
+  CHECK(q.dtype() == DType::f32);
+  check_close(q, {NAN, INFINITY, INFINITY, INFINITY}, 0, 0, "i64 / 0");
+  const Tensor half = arange(0, 5, 1, {.dtype = DType::i64}) / 2.0;
+  CHECK(half.dtype() == DType::f32);
+  check_close(half, {0, 0.5, 1, 1.5, 2}, 0, 0, "i64 / 2.0");
+  const Tensor i32 = from_vector({5, -7}, {2}, {.dtype = DType::i32});
+  check_close(i32 / from_vector({2, 2}, {2}, {.dtype = DType::i32}), {2.5, -3.5}, 0, 0,
+              "i32 / i32");
+  check_close(2.0 / i, {INFINITY, 2, 1, 2.0 / 3.0}, 1e-7, 0, "2.0 / i64");
+  const Tensor mask = from_vector({1, 0}, {2}, {.dtype = DType::boolean});
+  CHECK((mask / mask).dtype() == DType::f32);
+  check_close(mask / mask, {1, NAN}, 0, 0, "bool / bool");
+  // A floating operand keeps its dtype, as torch (f16 / i64 is f16).
+  const Tensor h =
+      from_vector({3}, {1}, {.dtype = DType::f16}) / from_vector({2}, {1}, {.dtype = DType::i64});
+  CHECK(h.dtype() == DType::f16);
+  check_close(h, {1.5}, 0, 0, "f16 / i64");
+}
+
+TEST_CASE("scalar operands with integer tensors: integral values keep the dtype, others give f32") {
+  // Note [Scalar operands]: a double cannot tell 2 from 2.0, so integral values act as Python ints.
+  const Tensor i = arange(0, 3, 1, {.dtype = DType::i64});
+  CHECK((i + 1.0).dtype() == DType::i64);
+  CHECK((i * 2.5).dtype() == DType::f32);
+  check_close(i * 2.5, {0, 2.5, 5}, 0, 0, "i64 * 2.5");
+  check_close(1.5 - i, {1.5, 0.5, -0.5}, 0, 0, "1.5 - i64");
+  const Tensor i32 = arange(0, 3, 1, {.dtype = DType::i32});
+  const Tensor inf = i32 + INFINITY;  // a Python float: f32, not an integer that cannot hold it
+  CHECK(inf.dtype() == DType::f32);
+  check_close(inf, {INFINITY, INFINITY, INFINITY}, 0, 0, "i32 + inf");
+  // An integral value the dtype cannot hold is refused, not wrapped.
+  check_throws_with([&] { (void)(i32 + 3e9); },
+                    "[add] the scalar 3000000000 does not fit in the tensor's dtype i32");
+  check_throws_with([&] { (void)(i * 1e19); }, "[mul] the scalar");
+  check_throws_with([] { (void)(from_vector({1}, {1}, {.dtype = DType::u8}) + -1.0); }, "dtype u8");
+}
+
+TEST_CASE("bool subtraction is refused, as torch") {
+  const Tensor m = from_vector({1, 0}, {2}, {.dtype = DType::boolean});
+  check_throws_with([&] { (void)(m - m); },
+                    "[sub] subtraction with a bool tensor is not supported (got bool - bool)");
+  check_throws_with([&] { (void)(m - 1.0); }, "[sub] subtraction with a bool tensor");
+  check_throws_with([&] { (void)(1.0 - m); }, "[sub] subtraction with a bool tensor");
+  check_throws_with([&] { (void)sub(ones({2}), m); }, "(got f32 - bool)");
+  check_close(m + 1.0, {2, 1}, 0, 0, "bool + 1");  // addition stays allowed, as torch
+}
+
+TEST_CASE("pow gradients at a zero base are 0 where torch masks them") {
+  // torch: d/da = 0 where b == 0; d/db = 0 where a == 0 and b >= 0 (else 0 * inf = NaN). Values
+  // from torch.pow in f64.
+  struct Case {
+    double a, b, da, db;
+  };
+  const double inf = std::numeric_limits<double>::infinity();
+  for (Case c :
+       {Case{0, 2, 0, 0}, Case{0, 0, 0, 0}, Case{0, -0.0, 0, 0}, Case{0, 0.5, inf, 0},
+        Case{0, -1, -inf, -inf}, Case{2, 3, 12, 5.545177444479562}, Case{-2, 2, -4, NAN}}) {
+    CAPTURE(c.a);
+    CAPTURE(c.b);
+    Tensor a = from_vector({c.a}, {1}, {.dtype = DType::f64, .requires_grad = true});
+    Tensor b = from_vector({c.b}, {1}, {.dtype = DType::f64, .requires_grad = true});
+    sum(pow(a, b)).backward();
+    check_close(a.grad(), {c.da}, 1e-12, 0, "d/da");
+    check_close(b.grad(), {c.db}, 1e-12, 0, "d/db");
+  }
+  // Finite differences agree where pow is smooth in both: zero bases with integer exponents, and
+  // zero exponents with positive bases; broadcast too, so the masked terms are summed back.
+  auto f = [](const std::vector<Tensor>& in) { return pow(in[0], in[1]); };
+  auto f64 = [](std::vector<double> v, Shape shape) {
+    return from_vector(v, shape, {.dtype = DType::f64, .requires_grad = true});
+  };
+  gradcheck("pow at a = 0", f, {f64({0, 0, 1.5, 0.7}, {4}), f64({2, 3, 1.2, 0}, {4})});
+  gradcheck("pow at a = 0 (broadcast)", f, {f64({0, 0.5}, {2, 1}), f64({2, 3, 1}, {3})});
+  gradcheck("pow at b = 0 (broadcast)", f, {f64({0.5, 2, 1.5}, {3}), f64({0, 1}, {2, 1})});
+}
+
+TEST_CASE("relu propagates NaN; its gradient passes there, as torch's threshold_backward") {
+  for (DType dt : kFloatDTypes) {
+    CAPTURE(std::string(dtype_name(dt)));
+    Tensor x = from_vector({NAN, -1, 2, 0}, {4}, {.dtype = dt, .requires_grad = true});
+    Tensor y = relu(x);
+    check_close(y, {NAN, 0, 2, 0}, 0, 0, "relu");
+    sum(y).backward();
+    check_close(x.grad(), {1, 0, 1, 0}, 0, 0, "relu backward");  // torch 1.13 gives 1 at NaN
+  }
+}
+
+TEST_CASE("where and masked_fill refuse a condition modified in place since") {
+  // The condition routes the gradient, so it is saved like any input (a plain handle gave 0 here).
+  Tensor a = ones({3}, {.requires_grad = true});
+  Tensor cond = from_vector({1, 0, 1}, {3}, {.dtype = DType::boolean});
+  Tensor y = where(cond, a, zeros({3}));
+  cond.fill_(0);
+  check_throws_with([&] { sum(y).backward(); },
+                    "a tensor that where saved for backward was modified");
+  Tensor mask = from_vector({1, 0, 1}, {3}, {.dtype = DType::boolean});
+  Tensor z = masked_fill(a, mask, 5.0);
+  mask.fill_(0);
+  check_throws_with([&] { sum(z).backward(); }, "a tensor that masked_fill saved for backward");
+}
+
+MB_CUDA_TEST_CASE("cuda: true integer division, relu at NaN and pow at a zero base match the CPU") {
+  const Tensor i = from_vector({0, 1, -5, 7}, {4}, {.dtype = DType::i64});
+  const Tensor j = from_vector({0, 0, 2, -2}, {4}, {.dtype = DType::i64});
+  check_cuda_parity("i64 / i64", [](const std::vector<Tensor>& in) { return in[0] / in[1]; },
+                    {i, j}, {.rtol = 0, .atol = 0, .check_grads = false});
+  check_cuda_parity(
+      "relu", [](const std::vector<Tensor>& in) { return relu(in[0]); },
+      {from_vector({NAN, -1, 2, 0}, {4}, {.dtype = DType::f64, .requires_grad = true})},
+      {.rtol = 0, .atol = 0});
+  check_cuda_parity(
+      "pow", [](const std::vector<Tensor>& in) { return pow(in[0], in[1]); },
+      {from_vector({0, 0, 0, 2}, {4}, {.dtype = DType::f64, .requires_grad = true}),
+       from_vector({2, 0, 0.5, 3}, {4}, {.dtype = DType::f64, .requires_grad = true})},
+      {.rtol = 1e-12, .atol = 0});
+}
