@@ -115,9 +115,13 @@ DType Tensor::dtype() const { return checked(impl_).dtype; }
 Device Tensor::device() const { return checked(impl_).storage->device; }
 const std::shared_ptr<Storage>& Tensor::storage() const { return checked(impl_).storage; }
 
-std::int64_t Tensor::size(std::int64_t d) const { return shape()[wrap_dim(d, dim(), "size")]; }
+std::int64_t Tensor::size(std::int64_t d) const {
+  MB_CHECK(dim() > 0, "[size] dimension specified as {} but the tensor has no dimensions", d);
+  return shape()[wrap_dim(d, dim(), "size")];
+}
 
 bool Tensor::is_contiguous() const {
+  if (numel() == 0) return true;
   std::int64_t expected = 1;
   for (int i = dim() - 1; i >= 0; --i) {
     if (shape()[i] != 1 && strides()[i] != expected) return false;
@@ -178,6 +182,14 @@ void Tensor::set_grad(const Tensor& g) const {
   if (g.defined()) {
     MB_CHECK(g.shape() == shape(), "[set_grad] grad shape {} differs from tensor shape {}",
              shape_str(g.shape()), shape_str(shape()));
+    // Backward adds into the grad with accumulate_, which takes any floating pair and nothing else.
+    MB_CHECK(is_floating(dtype()) && is_floating(g.dtype()),
+             "[set_grad] grad dtype {} for a tensor of dtype {}: backward accumulates only "
+             "floating-point grads of floating-point tensors",
+             dtype_name(g.dtype()), dtype_name(dtype()));
+    MB_CHECK(g.device() == device(), "[set_grad] grad is on {}, the tensor on {}",
+             g.device().str(), device().str());
+    check_no_internal_overlap("set_grad", g);
   }
   impl_->grad = g.impl_ptr();
 }
@@ -281,39 +293,77 @@ void copy_cuda_to_host(const Tensor& dst, const Tensor& src) {
   if (!host.same_storage(dst)) kernels::cpu::copy(dst.kview(), host.kview());
 }
 
-// Both on one CUDA device: one kernel (or memcpy) converts and re-strides. A source that shares
-// the destination's storage is staged first, since the kernel's threads do not run in order.
-void copy_on_cuda(const Tensor& dst, Tensor src) {
+// Both on one CUDA device: one kernel (or memcpy) converts and re-strides. The source does not
+// overlap the destination (copy_ stages it otherwise).
+void copy_on_cuda(const Tensor& dst, const Tensor& src) {
   kernels::cuda::set_device(dst.device().index);
-  if (src.same_storage(dst)) {
-    Tensor staged = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
-    kernels::cuda::copy(staged.kview(), src.kview());
-    src = staged;
-  }
   kernels::cuda::copy(dst.kview(), src.kview());
 }
 
+// The bytes [first, last] of its storage that a non-empty tensor's elements lie within.
+std::pair<std::int64_t, std::int64_t> byte_span(const Tensor& t) {
+  std::int64_t first = t.offset(), last = t.offset();
+  for (int i = 0; i < t.dim(); ++i) {
+    const std::int64_t reach = t.strides()[i] * (t.shape()[i] - 1);
+    (reach < 0 ? first : last) += reach;
+  }
+  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return {first * size, (last + 1) * size - 1};
+}
+
+// Whether writing a may change what reading b sees: shared storage with byte spans that meet.
+// Interleaved views that touch no common element count as overlapping; staging them is only slower.
+bool may_overlap(const Tensor& a, const Tensor& b) {
+  if (!a.same_storage(b)) return false;
+  const auto [a_first, a_last] = byte_span(a);
+  const auto [b_first, b_last] = byte_span(b);
+  return a_first <= b_last && b_first <= a_last;
+}
+
+// The same elements, in the same places, of the same dtype: copying one into the other is a no-op.
+bool same_elements(const Tensor& a, const Tensor& b) {
+  return a.same_storage(b) && a.offset() == b.offset() && a.dtype() == b.dtype() &&
+         a.shape() == b.shape() && a.strides() == b.strides();
+}
+
 }  // namespace
+
+bool has_internal_overlap(const Tensor& t) {
+  if (t.numel() == 0) return false;
+  for (int i = 0; i < t.dim(); ++i)
+    if (t.shape()[i] > 1 && t.strides()[i] == 0) return true;
+  return false;
+}
+
+void check_no_internal_overlap(const char* op, const Tensor& t) {
+  MB_CHECK(!has_internal_overlap(t),
+           "[{}] more than one element of the written-to tensor (shape {}, strides {}) refers to a "
+           "single memory location; clone() it before writing",
+           op, shape_str(t.shape()), shape_str(t.strides()));
+}
 
 Tensor& Tensor::copy_(const Tensor& src) {
   check_inplace(*this, "copy_");
   Shape b = broadcast_shapes(shape(), src.shape(), "copy_");
   MB_CHECK(b == shape(), "[copy_] cannot copy a tensor of shape {} into one of shape {}",
            shape_str(src.shape()), shape_str(shape()));
+  check_no_internal_overlap("copy_", *this);
   const Device dst_dev = device(), src_dev = src.device();
   if (dst_dev.is_meta() || src_dev.is_meta()) {
     MB_CHECK(dst_dev.is_meta(), "[copy_] cannot copy from meta (no data) to {}", dst_dev.str());
     bump_version();
     return *this;
   }
-  if (numel() > 0) {
+  if (numel() > 0 && !same_elements(*this, src)) {
     NoGradGuard no_grad;  // the expand and any staging are not part of a graph
     // Its kernels and copies run here rather than through launch(): timed here, on the stream
     // of the CUDA side if any (Note [Profiler scopes] in core/profiler.h).
     std::optional<profiler::Scope> scope;
     if (profiler::enabled())
       scope.emplace("copy_", dst_dev.is_cuda() ? dst_dev : src_dev, profiler::Nesting::outermost_only);
-    const Tensor s = src.expand(shape());
+    // The kernels write elements while reading others (on CUDA in no order), so a source that
+    // overlaps the destination, as a.copy_(a.t()), is read in full into a temporary first.
+    const Tensor s = (may_overlap(*this, src) ? src.clone() : src).expand(shape());
     if (dst_dev.is_cpu() && src_dev.is_cpu()) {
       kernels::cpu::copy(kview(), s.kview());
     } else if (src_dev.is_cpu()) {
@@ -334,18 +384,22 @@ Tensor& Tensor::copy_(const Tensor& src) {
 
 Tensor& Tensor::zero_() { return fill_(0.0); }
 
+// An expanded destination is allowed, as in PyTorch: its repeated locations all get the same
+// value, so the order of the writes does not matter.
 Tensor& Tensor::fill_(double value) {
   check_inplace(*this, "fill_");
-  launch(
-      "fill_", device(), [&] { kernels::cpu::fill(kview(), value); },
-      [&] {
-        if (value == 0.0 && !std::signbit(value) && is_contiguous()) {
-          // +0 is all-zero bits in every dtype.
-          kernels::cuda::memset_zero(raw_data(), nbytes(), device().index);
-        } else {
-          kernels::cuda::fill(kview(), value);
-        }
-      });
+  if (numel() > 0) {  // an empty tensor may have no data pointer to write through
+    launch(
+        "fill_", device(), [&] { kernels::cpu::fill(kview(), value); },
+        [&] {
+          if (value == 0.0 && !std::signbit(value) && is_contiguous()) {
+            // +0 is all-zero bits in every dtype.
+            kernels::cuda::memset_zero(raw_data(), nbytes(), device().index);
+          } else {
+            kernels::cuda::fill(kview(), value);
+          }
+        });
+  }
   bump_version();
   return *this;
 }
@@ -356,8 +410,18 @@ Tensor empty(const Shape& shape, TensorOptions options) {
   for (auto s : shape) MB_CHECK(s >= 0, "[empty] negative size in shape {}", shape_str(shape));
   MB_CHECK(static_cast<int>(shape.size()) <= kernels::kMaxDims,
            "[empty] at most {} dims are supported, got {}", kernels::kMaxDims, shape.size());
-  const std::size_t bytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(options.dtype);
-  auto storage = std::make_shared<Storage>(bytes, options.device);
+  // Multiplied with overflow checks: a size that wrapped around would allocate a small buffer for
+  // a huge tensor.
+  std::int64_t bytes = 0;
+  if (std::find(shape.begin(), shape.end(), 0) == shape.end()) {
+    bytes = static_cast<std::int64_t>(dtype_size(options.dtype));
+    for (auto s : shape) {
+      MB_CHECK(!__builtin_mul_overflow(bytes, s, &bytes),
+               "[empty] shape {} of {} needs more than 2^63 bytes", shape_str(shape),
+               dtype_name(options.dtype));
+    }
+  }
+  auto storage = std::make_shared<Storage>(static_cast<std::size_t>(bytes), options.device);
   Tensor t = make_strided(std::move(storage), shape, contiguous_strides(shape), 0, options.dtype);
   if (options.requires_grad) t.requires_grad_(true);
   return t;
@@ -393,12 +457,27 @@ Tensor from_vector(const std::vector<double>& values, const Shape& shape, Tensor
 }
 
 Tensor arange(double start, double end, double step, TensorOptions options) {
-  MB_CHECK(step != 0.0, "[arange] step must be nonzero");
-  const double span = (end - start) / step;
-  const std::int64_t n = span > 0 ? static_cast<std::int64_t>(std::ceil(span)) : 0;
-  std::vector<double> values(n);
-  for (std::int64_t i = 0; i < n; ++i) values[i] = start + static_cast<double>(i) * step;
-  return from_vector(values, {n}, options);
+  MB_CHECK(std::isfinite(start) && std::isfinite(end), "[arange] unsupported range: {} -> {}",
+           start, end);
+  MB_CHECK(std::isfinite(step) && step != 0.0, "[arange] step must be nonzero and finite, got {}",
+           step);
+  // Counted in double first: converting a count beyond int64's range to int64 is undefined.
+  const double count = std::ceil((end - start) / step);
+  MB_CHECK(count < 0x1p63,
+           "[arange] {} -> {} in steps of {} has {} elements, more than int64 counts", start, end,
+           step, count);
+  const std::int64_t n = count > 0 ? static_cast<std::int64_t>(count) : 0;
+  // Written into a tensor, not a std::vector, so that a count too large for memory is the
+  // allocator's clear error. A meta target stages on meta, as from_vector does.
+  const Device stage = options.device.is_meta() ? kMeta : kCPU;
+  Tensor values = empty({n}, {.dtype = DType::f64, .device = stage});
+  if (!stage.is_meta()) {
+    double* v = static_cast<double*>(values.raw_data());
+    for (std::int64_t i = 0; i < n; ++i) v[i] = start + static_cast<double>(i) * step;
+  }
+  Tensor t = values.to(options.device, options.dtype);
+  if (options.requires_grad) t.requires_grad_(true);
+  return t;
 }
 
 namespace {

@@ -22,7 +22,9 @@ std::int64_t shape_numel(const Shape& shape);
 Shape contiguous_strides(const Shape& shape);
 /// "(2, 3)".
 std::string shape_str(const Shape& shape);
-/// Wraps a possibly negative dim into [0, ndim); `op` names the caller in the error.
+/// Wraps a possibly negative dim into [0, ndim); `op` names the caller in the error. A 0-d tensor
+/// accepts dim 0 or -1, as PyTorch's reductions do, so a caller that then reads shape()[dim] must
+/// refuse 0-d tensors first.
 int wrap_dim(std::int64_t dim, int ndim, const char* op);
 
 /// Bytes on a device, returned to its allocator when the last tensor using them dies.
@@ -70,6 +72,7 @@ class Tensor {
   DType dtype() const;
   Device device() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype()); }
+  /// Row-major dense; an empty tensor is contiguous whatever its strides (nothing to misplace).
   bool is_contiguous() const;
   const std::shared_ptr<Storage>& storage() const;
   bool same_storage(const Tensor& other) const { return storage() == other.storage(); }
@@ -88,6 +91,10 @@ class Tensor {
   bool requires_grad() const;
   Tensor& requires_grad_(bool on = true);
   Tensor grad() const;
+  /// Sets (or, given an undefined tensor, clears) the gradient that backward accumulates into. Any
+  /// floating dtype is accepted, as accumulate_ converts: f32 accumulators for 16-bit weights,
+  /// 16-bit ones for ParamStore's grad_dtype. It must be on this tensor's device and writable
+  /// (no two elements in one memory location).
   void set_grad(const Tensor& grad) const;
   const std::shared_ptr<Node>& grad_fn() const;
   bool is_leaf() const;
@@ -125,7 +132,8 @@ class Tensor {
   // in place (not recorded by autograd; refused on tensors that require grad while grad mode is on)
   Tensor& zero_();
   Tensor& fill_(double value);
-  /// Copies src (broadcast, cast, across devices) into this tensor.
+  /// Copies src (broadcast, cast, across devices) into this tensor. A source that overlaps it in
+  /// memory is read in full before anything is written.
   Tensor& copy_(const Tensor& src);
 
   std::string str() const;
@@ -150,6 +158,13 @@ struct TensorImpl {
 };
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
+
+/// Whether two elements of t share one memory location: a dim of size > 1 and stride 0, as expand
+/// makes (the only repetition the view ops can produce). An empty tensor has none.
+bool has_internal_overlap(const Tensor& t);
+/// Refuses t as the destination of an in-place write when has_internal_overlap(t): the result
+/// would depend on the order in which its elements are written.
+void check_no_internal_overlap(const char* op, const Tensor& t);
 
 // ---- factories ---------------------------------------------------------------------------------
 Tensor empty(const Shape& shape, TensorOptions options = {});

@@ -22,7 +22,9 @@ struct StridedView {
     for (int i = 0; i < ndim; ++i) n *= shape[i];
     return n;
   }
+  /// Row-major dense; an empty view is contiguous whatever its strides, as Tensor::is_contiguous.
   bool is_contiguous() const {
+    if (numel() == 0) return true;
     std::int64_t expected = 1;
     for (int i = ndim - 1; i >= 0; --i) {
       if (shape[i] != 1 && strides[i] != expected) return false;

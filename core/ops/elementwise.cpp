@@ -361,6 +361,8 @@ void accumulate_(Tensor& dst, const Tensor& src, double weight) {
            shape_str(dst.shape()), shape_str(src.shape()));
   check_floating("accumulate_", dst);
   check_floating("accumulate_", src);
+  // Repeated locations would each receive every element's share, in no defined order on CUDA.
+  check_no_internal_overlap("accumulate_", dst);
   launch("accumulate_", dst.device(), [&] { kernels::cpu::accumulate(dst.kview(), src.kview(), weight); },
          [&] { kernels::cuda::accumulate(dst.kview(), src.kview(), weight); });
   dst.bump_version();

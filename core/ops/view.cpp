@@ -128,6 +128,7 @@ Tensor Tensor::permute(const std::vector<std::int64_t>& dims) const {
 }
 
 Tensor Tensor::slice(std::int64_t dim_, std::int64_t start, std::int64_t end, std::int64_t step) const {
+  MB_CHECK(dim() > 0, "[slice] cannot be applied to a 0-d tensor");
   const int d = wrap_dim(dim_, dim(), "slice");
   MB_CHECK(step > 0, "[slice] step must be positive, got {}", step);
   const std::int64_t n = shape()[d];
@@ -148,6 +149,7 @@ Tensor Tensor::slice(std::int64_t dim_, std::int64_t start, std::int64_t end, st
 }
 
 Tensor Tensor::select(std::int64_t dim_, std::int64_t index) const {
+  MB_CHECK(dim() > 0, "[select] cannot be applied to a 0-d tensor");
   const int d = wrap_dim(dim_, dim(), "select");
   const std::int64_t n = shape()[d];
   MB_CHECK(index >= -n && index < n, "[select] index {} out of range for dim {} of size {}", index, d, n);
@@ -163,8 +165,12 @@ Tensor Tensor::expand(const Shape& target) const {
   Shape st(target.size(), 0);
   Shape out_shape = target;
   for (std::size_t i = 0; i < target.size(); ++i) {
+    MB_CHECK(target[i] >= -1, "[expand] invalid size {} in {}: sizes are >= 0, or -1 to keep a dim",
+             target[i], shape_str(target));
     if (i < lead) {
-      MB_CHECK(target[i] >= 0, "[expand] invalid size in {}", shape_str(target));
+      MB_CHECK(target[i] != -1,
+               "[expand] the expanded size -1 is not allowed in the leading, new dim {} of {}", i,
+               shape_str(target));
       continue;
     }
     const std::int64_t have = shape()[i - lead];

@@ -346,6 +346,34 @@ TEST_CASE("view ops: gradcheck on contiguous and non-contiguous inputs") {
   gradcheck("view", [](const std::vector<Tensor>& in) { return in[0].view({2, -1, 3}); }, {x});
 }
 
+TEST_CASE("size, slice and select refuse a 0-d tensor, whose dim 0 other ops accept") {
+  Tensor s = scalar_tensor(3);
+  check_throws_with([&] { s.size(0); },
+                    "[size] dimension specified as 0 but the tensor has no dimensions");
+  check_throws_with([&] { s.size(-1); }, "[size] dimension specified as -1");
+  check_throws_with([&] { s.slice(0, 0, 1); }, "[slice] cannot be applied to a 0-d tensor");
+  check_throws_with([&] { s.select(0, 0); }, "[select] cannot be applied to a 0-d tensor");
+  check_throws_with([&] { s.select(-1, 0); }, "[select] cannot be applied to a 0-d tensor");
+  // The ops for which PyTorch takes dim 0 of a 0-d tensor still do.
+  CHECK(sum(s, {0}).item() == 3);
+  CHECK(s.squeeze(0).dim() == 0);
+  CHECK(s.transpose(0, -1).dim() == 0);
+  CHECK(s.unsqueeze(0).size(0) == 1);
+}
+
+TEST_CASE("expand refuses sizes below -1, and -1 in a new leading dim") {
+  Tensor one = ones({1});
+  check_throws_with([&] { one.expand({-2}); },
+                    "[expand] invalid size -2 in (-2,): sizes are >= 0, or -1 to keep a dim");
+  check_throws_with([&] { one.expand({2, -3}); }, "[expand] invalid size -3 in (2, -3)");
+  check_throws_with(
+      [&] { one.expand({-1, 2}); },
+      "[expand] the expanded size -1 is not allowed in the leading, new dim 0 of (-1, 2)");
+  check_throws_with([&] { one.expand({-2, 1}); }, "[expand] invalid size -2");
+  CHECK(one.expand({3, -1}).shape() == Shape{3, 1});
+  CHECK(one.expand({-1}).shape() == Shape{1});
+}
+
 TEST_CASE("view errors name the op and the shapes") {
   Tensor m = iota({2, 3});
   check_throws_with([&] { m.t().view({6}); }, "[view] input of shape (3, 2) is not contiguous in the dims that (6,) merges");

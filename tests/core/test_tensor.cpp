@@ -112,6 +112,36 @@ TEST_CASE("arange in every dtype, with fractional and negative steps") {
   check_throws_with([] { arange(0, 1, 0); }, "[arange] step must be nonzero");
 }
 
+TEST_CASE("arange refuses non-finite bounds and steps, and counts beyond int64, by name") {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  check_throws_with([&] { arange(0, inf); }, "[arange] unsupported range: 0 -> inf");
+  check_throws_with([&] { arange(-inf, 0); }, "[arange] unsupported range: -inf -> 0");
+  check_throws_with([&] { arange(0, nan); }, "[arange] unsupported range: 0 -> nan");
+  check_throws_with([&] { arange(nan, 3); }, "[arange] unsupported range: nan -> 3");
+  check_throws_with([&] { arange(0, 3, nan); },
+                    "[arange] step must be nonzero and finite, got nan");
+  check_throws_with([&] { arange(0, 3, inf); },
+                    "[arange] step must be nonzero and finite, got inf");
+  check_throws_with([] { arange(0, 1e19); }, "more than int64 counts");
+  check_throws_with([] { arange(-1e308, 1e308); }, "more than int64 counts");  // the span is inf
+  check_throws_with([] { arange(0, 1e300, 1e-300); }, "more than int64 counts");
+  // A count that fits int64 but not in memory is the allocator's error, not std::length_error.
+  CHECK_THROWS_AS(arange(0, 4e18), Error);
+  CHECK(arange(0, 4, 1, {.device = kMeta}).shape() == Shape{4});
+}
+
+TEST_CASE("empty refuses a shape whose size in bytes overflows, unless it has a 0") {
+  check_throws_with([] { empty({std::int64_t{1} << 40, std::int64_t{1} << 40}); },
+                    "[empty] shape (1099511627776, 1099511627776) of f32 needs more than 2^63 "
+                    "bytes");
+  check_throws_with([] { empty({std::int64_t{1} << 61}, {.dtype = DType::f64, .device = kMeta}); },
+                    "needs more than 2^63 bytes");
+  Tensor none = empty({std::int64_t{1} << 40, 0, std::int64_t{1} << 40});
+  CHECK(none.numel() == 0);
+  CHECK(none.nbytes() == 0);
+}
+
 TEST_CASE("from_vector in every dtype, and its size check") {
   for (DType dt : kAllDTypes) {
     CAPTURE(dtype_name(dt));
@@ -207,6 +237,134 @@ TEST_CASE("contiguous copies only when the layout needs it") {
   Tensor row = a.slice(0, 1, 2);
   CHECK(row.is_contiguous());
   CHECK(row.contiguous().same_storage(a));
+}
+
+TEST_CASE("empty tensors are contiguous whatever their strides, so row ops take them") {
+  for (const Shape& shape : {Shape{2, 0}, Shape{2, 0, 3}, Shape{0, 3}}) {
+    CAPTURE(shape_str(shape));
+    CHECK(ones(shape).is_contiguous());
+    CHECK(ones(shape).kview().is_contiguous());
+  }
+  Tensor cut = ones({3, 4}).slice(1, 0, 0);  // (3, 0), strides (4, 1)
+  CHECK(cut.is_contiguous());
+  CHECK(cut.contiguous().same_storage(cut));
+
+  // The shapes PyTorch gives, and gradients of the input's shape (zeros for the parameters).
+  auto check_empty = [](const Tensor& y, const Shape& shape) {
+    CHECK(y.shape() == shape);
+    CHECK(y.numel() == 0);
+  };
+  for (int dim : {0, 1, -1}) {
+    CAPTURE(dim);
+    Tensor x = ones({2, 0, 3}, {.requires_grad = true});
+    check_empty(softmax(x, dim), {2, 0, 3});
+    Tensor y = log_softmax(x, dim);
+    check_empty(y, {2, 0, 3});
+    sum(y).backward();
+    check_empty(x.grad(), {2, 0, 3});
+  }
+  check_empty(softmax(ones({2, 0}), 1), {2, 0});
+  check_empty(log_softmax(ones({2, 0}), -1), {2, 0});
+
+  Tensor x = ones({2, 0, 4}, {.requires_grad = true});
+  Tensor w = ones({4}, {.requires_grad = true}), b = zeros({4}, {.requires_grad = true});
+  Tensor y = layer_norm(x, {4}, w, b);
+  check_empty(y, {2, 0, 4});
+  sum(y).backward();
+  check_empty(x.grad(), {2, 0, 4});
+  CHECK(w.grad().to_vector() == std::vector<double>(4, 0.0));
+  CHECK(b.grad().to_vector() == std::vector<double>(4, 0.0));
+
+  // Attention with an empty batch, head count or sequence.
+  for (const Shape& shape : {Shape{0, 2, 3, 4}, Shape{1, 0, 3, 4}, Shape{1, 2, 0, 4}}) {
+    CAPTURE(shape_str(shape));
+    Tensor q = ones(shape, {.requires_grad = true});
+    Tensor out = scaled_dot_product_attention(q, ones(shape), ones(shape));
+    check_empty(out, shape);
+    sum(out).backward();
+    check_empty(q.grad(), shape);
+  }
+}
+
+// ---- in-place writes and gradients -------------------------------------------------------------
+
+TEST_CASE("copy_ reads an overlapping source in full before writing; an exact alias is a no-op") {
+  Tensor a = arange(0, 9).reshape({3, 3});
+  a.copy_(a.t());
+  CHECK(a.to_vector() == std::vector<double>{0, 3, 6, 1, 4, 7, 2, 5, 8});
+
+  Tensor shift = arange(0, 6);  // shift right by one, in place
+  shift.slice(0, 1, 6).copy_(shift.slice(0, 0, 5));
+  CHECK(shift.to_vector() == std::vector<double>{0, 0, 1, 2, 3, 4});
+
+  Tensor rows = arange(0, 6).reshape({2, 3});  // a broadcast of its own second row
+  rows.copy_(rows.select(0, 1));
+  CHECK(rows.to_vector() == std::vector<double>{3, 4, 5, 3, 4, 5});
+
+  Tensor halves = arange(0, 6);  // disjoint parts of one storage need no staging
+  halves.slice(0, 0, 3).copy_(halves.slice(0, 3, 6));
+  CHECK(halves.to_vector() == std::vector<double>{3, 4, 5, 3, 4, 5});
+
+  Tensor same = arange(0, 4);
+  const std::int64_t v0 = same.version();
+  same.copy_(same);
+  CHECK(same.to_vector() == std::vector<double>{0, 1, 2, 3});
+  CHECK(same.version() == v0 + 1);  // still a write, for saved-tensor checks
+}
+
+TEST_CASE("writes into an expanded tensor: copy_ is refused, fill_ and zero_ give one value") {
+  Tensor base = zeros({1});
+  Tensor e = base.expand({3});
+  CHECK(has_internal_overlap(e));
+  check_throws_with([&] { e.copy_(arange(0, 3)); },
+                    "[copy_] more than one element of the written-to tensor (shape (3,), strides "
+                    "(0,)) refers to a single memory location; clone() it before writing");
+  check_throws_with([&] { zeros({2, 1}).expand({2, 4}).copy_(ones({2, 4})); },
+                    "[copy_] more than one element");
+  check_throws_with([] { zeros({1}, {.device = kMeta}).expand({3}).copy_(ones({3})); },
+                    "[copy_] more than one element");
+  check_throws_with([&] { accumulate_(e, ones({3}), 0.5); }, "[accumulate_] more than one element");
+  CHECK(base.to_vector() == std::vector<double>{0});
+  // Every repeated location gets the same value, whatever the order: PyTorch allows these too.
+  e.fill_(2);
+  CHECK(base.to_vector() == std::vector<double>{2});
+  e.zero_();
+  CHECK(base.to_vector() == std::vector<double>{0});
+  // No element repeats in an empty tensor, or along a size-1 dim of stride 0.
+  Tensor none = base.expand({2, 0, 1});
+  CHECK_FALSE(has_internal_overlap(none));
+  none.copy_(ones({2, 0, 1}));
+  Tensor one = base.expand({1, 1});
+  CHECK_FALSE(has_internal_overlap(one));
+  one.copy_(full({1, 1}, 5));
+  CHECK(base.to_vector() == std::vector<double>{5});
+}
+
+TEST_CASE("set_grad refuses grads backward cannot add into; floating grads of other widths stay") {
+  Tensor x = ones({3}, {.requires_grad = true});
+  check_throws_with([&] { x.set_grad(ones({3}, {.dtype = DType::i64})); },
+                    "[set_grad] grad dtype i64 for a tensor of dtype f32: backward accumulates "
+                    "only floating-point grads");
+  check_throws_with([&] { x.set_grad(zeros({1}).expand({3})); },
+                    "[set_grad] more than one element of the written-to tensor (shape (3,), "
+                    "strides (0,))");
+  check_throws_with([&] { x.set_grad(zeros({3}, {.device = kMeta})); },
+                    "[set_grad] grad is on meta, the tensor on cpu");
+  CHECK_FALSE(x.grad().defined());
+
+  // Wider accumulators (f64 for f32) and 16-bit ones (ParamStore's grad_dtype) are deliberate.
+  x.set_grad(zeros({3}, {.dtype = DType::f64}));
+  sum(x * 2.0).backward();
+  CHECK(x.grad().dtype() == DType::f64);
+  CHECK(x.grad().to_vector() == std::vector<double>{2, 2, 2});
+  Tensor w = ones({3}, {.dtype = DType::bf16}).requires_grad_(true);
+  w.set_grad(zeros({3}));
+  Tensor h = ones({3}).requires_grad_(true);
+  h.set_grad(zeros({3}, {.dtype = DType::bf16}));
+  sum(h * 3.0).backward();
+  CHECK(h.grad().to_vector() == std::vector<double>{3, 3, 3});
+  x.set_grad({});
+  CHECK_FALSE(x.grad().defined());
 }
 
 // ---- dtype conversions -------------------------------------------------------------------------
