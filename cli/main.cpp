@@ -5,9 +5,11 @@
 // on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
 #include <CLI/CLI.hpp>
 
+#include <exception>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <set>
 
 #include "core/profiler.h"
 #include "nn/models.h"
@@ -48,6 +50,7 @@ struct Options {
   CLI::Option* block_size_option = nullptr;
   std::string config;
   std::map<std::string, std::string> given;  // TrainingArguments given as flags, as text
+  std::map<std::string, CLI::Option*> given_options;  // count() > 0: the flag was given
   std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
   std::map<std::string, CLI::Option*> switch_options;
   bool json = false;
@@ -87,25 +90,53 @@ void add_model_flags(CLI::App& cmd, Options& o) {
     if (value.is_boolean()) {
       o.switch_options[name] = cmd.add_flag(both_spellings(name), o.switches[name], "TrainingArguments." + name);
     } else {
-      cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
+      o.given_options[name] =
+          cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
     }
   }
   cmd.add_flag("--json", o.json, "print one JSON object per log line");
 }
 
+// A flag given an empty value (--output-dir "") is a mistake, not a request for the default.
+void refuse_empty_values(const CLI::App& cmd) {
+  for (const CLI::Option* option : cmd.get_options()) {
+    if (option->get_expected_min() == 0) continue;  // a switch: it takes no value
+    for (const std::string& value : option->results())
+      MB_CHECK(!value.empty(), "[{}] needs a value, got an empty one", option->get_name());
+  }
+}
+
+// Given any two of per_device_train_batch_size, gradient_accumulation_steps and train_batch_size,
+// the third follows (resolve_batch_triad). The command's own micro-batch of 64 is a default, not a
+// given: when the user gave the other two, the micro-batch is their quotient.
+void derive_micro_batch(mb::train::TrainingArguments& args, const std::set<std::string>& given) {
+  if (given.count("per_device_train_batch_size") || !given.count("gradient_accumulation_steps") ||
+      !given.count("train_batch_size"))
+    return;
+  const std::int64_t effective = args.train_batch_size, steps = args.gradient_accumulation_steps;
+  if (effective <= 0 || steps < 1) return;  // no effective batch to split, or refused by validate()
+  MB_CHECK(effective % steps == 0,
+           "[TrainingArguments] train_batch_size {} is not divisible by gradient_accumulation_steps "
+           "{}: give per_device_train_batch_size instead of one of them",
+           effective, steps);
+  args.per_device_train_batch_size = effective / steps;
+}
+
 mb::train::TrainingArguments training_arguments(Options& o) {
   nlohmann::json j = command_defaults().to_json();
+  std::set<std::string> given;  // the arguments the user set, in the config file or by a flag
   if (!o.config.empty()) {
     // The file's own keys over the command's defaults (from_json checks them; its result would
     // carry the library's defaults for every key the file leaves out).
     const nlohmann::json file = mb::train::read_arguments_file(o.config);
     (void)mb::train::TrainingArguments::from_json(file);
     j.update(file);
-    o.eval_strategy_given = file.contains("eval_strategy");
+    for (auto& [name, value] : file.items()) given.insert(name);
   }
   const nlohmann::json defaults = command_defaults().to_json();
   for (auto& [name, text] : o.given) {
-    if (text.empty()) continue;
+    if (o.given_options.at(name)->count() == 0) continue;
+    given.insert(name);
     const nlohmann::json& d = defaults.at(name);
     if (name == "per_device_train_batch_size" && text == "auto") {
       j[name] = "auto";
@@ -124,8 +155,10 @@ mb::train::TrainingArguments training_arguments(Options& o) {
   for (auto& [name, option] : o.switch_options)
     if (option->count() > 0) j[name] = o.switches[name];
   if (o.json) j["json"] = true;  // else the config file's, or false
-  o.eval_strategy_given = o.eval_strategy_given || !o.given["eval_strategy"].empty();
-  return mb::train::TrainingArguments::from_json(j);
+  o.eval_strategy_given = given.count("eval_strategy") > 0;
+  mb::train::TrainingArguments args = mb::train::TrainingArguments::from_json(j);
+  derive_micro_batch(args, given);
+  return args;
 }
 
 struct Job {
@@ -143,10 +176,16 @@ Job make_job(Options& o) {
     mb::nn::GPTConfig cfg = gpt2 ? mb::nn::GPTConfig::gpt2_small() : o.gpt;
     cfg.dropout = o.dropout;
     const std::int64_t length = gpt2 && o.block_size_option->count() == 0 ? cfg.block_size : o.gpt.block_size;
-    MB_CHECK(length >= 1 && length <= cfg.block_size, "[--block-size] {} must be in [1, {}] for {}", length,
-             cfg.block_size, o.model);
+    if (gpt2) {
+      MB_CHECK(length >= 1 && length <= cfg.block_size,
+               "[--block-size] must be in [1, {}] for gpt2 (GPT-2's positions), got {}",
+               cfg.block_size, length);
+    } else {
+      MB_CHECK(length >= 1, "[--block-size] must be >= 1, got {}", length);
+    }
+    if (o.dataset == "synthetic" && !gpt2) cfg.vocab_size = o.vocab_size;
+    cfg.validate();  // before any data is read; a text's own vocabulary replaces vocab_size below
     if (o.dataset == "synthetic") {
-      if (!gpt2) cfg.vocab_size = o.vocab_size;
       job.train_set = std::make_unique<mb::train::SyntheticTokens>(mb::train::SyntheticTokensOptions{
           .vocab_size = cfg.vocab_size, .block_size = length, .size = o.synthetic_size});
       // Random tokens hold nothing to validate: no evaluation set.
@@ -170,11 +209,14 @@ Job make_job(Options& o) {
     const std::string root = o.data.empty() ? mb::train::kFashionMnistRoot : o.data;
     job.train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
     job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
-    const double dropout = o.dropout;
     if (o.model == "mlp") {
-      job.model_init = [dropout] { return std::make_unique<mb::nn::MLP>(mb::nn::MLPConfig{.dropout = dropout}); };
+      const mb::nn::MLPConfig cfg{.dropout = o.dropout};
+      cfg.validate();
+      job.model_init = [cfg] { return std::make_unique<mb::nn::MLP>(cfg); };
     } else {
-      job.model_init = [dropout] { return std::make_unique<mb::nn::CNN>(mb::nn::CNNConfig{.dropout = dropout}); };
+      const mb::nn::CNNConfig cfg{.dropout = o.dropout};
+      cfg.validate();
+      job.model_init = [cfg] { return std::make_unique<mb::nn::CNN>(cfg); };
     }
     job.metrics = mb::train::classification_metrics;
   }
@@ -200,7 +242,8 @@ int run_train(Options& o) {
                 << mb::format_bytes(args.memory_budget);
     std::cout << "\n";
   }
-  // Started after the model and the plan are made, so the table holds the training alone.
+  // Started after the model and the plan are made, so the table holds train() alone: its steps, and
+  // the evaluations the eval strategy runs inside it (--eval-strategy no leaves them out).
   const bool profile = o.profile || mb::profiler::requested_by_env();
   if (profile) mb::profiler::start();
   mb::train::TrainOutput r = trainer.train();
@@ -248,9 +291,15 @@ int run_check_accumulation(const std::string& dtypes, bool json) {
       const bool pass = c.max_gradient <= tol && c.max_weight <= tol;
       ok = ok && pass;
       if (json) {
-        std::cout << fmt::format("{{\"model\": \"{}\", \"dtype\": \"{}\", \"split\": \"{}\", \"max_grad_rel\": {:.3e}, "
-                                 "\"max_weight_rel\": {:.3e}, \"naive_max_grad_rel\": {:.3e}, \"pass\": {}}}\n",
-                                 c.model, name, c.split, c.max_gradient, c.max_weight, c.naive_max_gradient, pass);
+        nlohmann::ordered_json row{{"model", c.model},
+                                   {"dtype", name},
+                                   {"split", c.split},
+                                   {"max_grad_rel", c.max_gradient},
+                                   {"max_weight_rel", c.max_weight}};
+        // Only GPT's token batches have a naive figure (a negative one means none).
+        if (c.naive_max_gradient >= 0) row["naive_max_grad_rel"] = c.naive_max_gradient;
+        row["pass"] = pass;
+        std::cout << row.dump() << "\n";
         continue;
       }
       std::cout << fmt::format("{:<4} {:<4} split {:<12} max rel. diff: gradients {:.2e}, weights {:.2e}  [{}]\n",
@@ -266,7 +315,12 @@ int run_check_accumulation(const std::string& dtypes, bool json) {
       }
     }
   }
-  std::cout << (ok ? "accumulation is exact\n" : "accumulation check FAILED\n");
+  if (json) {
+    const char* result = ok ? "accumulation is exact" : "accumulation check FAILED";
+    std::cout << nlohmann::ordered_json{{"result", result}, {"pass", ok}}.dump() << "\n";
+  } else {
+    std::cout << (ok ? "accumulation is exact\n" : "accumulation check FAILED\n");
+  }
   return ok ? 0 : 1;
 }
 
@@ -292,10 +346,17 @@ int main(int argc, char** argv) {
   check_cmd->add_flag("--json", json);
   CLI11_PARSE(app, argc, argv);
   try {
+    for (const CLI::App* cmd : {train_cmd, plan_cmd, check_cmd})
+      if (cmd->parsed()) refuse_empty_values(*cmd);
     if (train_cmd->parsed()) return run_train(train);
     if (plan_cmd->parsed()) return run_plan(plan);
     if (check_cmd->parsed()) return run_check_accumulation(dtypes, json);
   } catch (const mb::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    // Not the library's own error (a filesystem or allocation failure, say): still a message and
+    // an exit status, never an abort.
     std::cerr << "error: " << e.what() << "\n";
     return 2;
   }

@@ -8,9 +8,27 @@ std::int64_t Model::count_loss_items(const Tensor& labels) const {
   return labels.dim() == 0 ? 1 : labels.shape()[0];
 }
 
+namespace {
+void check_size(const char* model, const char* name, std::int64_t value) {
+  MB_CHECK(value >= 1, "[{}] {} must be >= 1, got {}", model, name, value);
+}
+// A dropout of 1 zeroes every activation: nothing could be learned.
+void check_dropout(const char* model, double p) {
+  MB_CHECK(p >= 0.0 && p < 1.0, "[{}] dropout must be in [0, 1), got {}", model, p);
+}
+}  // namespace
+
 // ---- MLP ---------------------------------------------------------------------------------------
 
+void MLPConfig::validate() const {
+  check_size("MLP", "in_features", in_features);
+  for (std::int64_t h : hidden) check_size("MLP", "every hidden width", h);
+  check_size("MLP", "num_classes", num_classes);
+  check_dropout("MLP", dropout);
+}
+
 MLP::MLP(MLPConfig cfg) : config(std::move(cfg)) {
+  config.validate();
   net = register_module("net", std::make_shared<Sequential>());
   net->push_back(std::make_shared<Flatten>());
   std::int64_t width = config.in_features;
@@ -57,7 +75,18 @@ void CNN::set_gradient_checkpointing(bool on) { net->set_checkpoint_segments(on 
 
 // ---- CNN ---------------------------------------------------------------------------------------
 
+void CNNConfig::validate() const {
+  check_size("CNN", "in_channels", in_channels);
+  check_size("CNN", "channels1", channels1);
+  check_size("CNN", "channels2", channels2);
+  check_size("CNN", "hidden", hidden);
+  check_size("CNN", "num_classes", num_classes);
+  MB_CHECK(image_size >= 4, "[CNN] image_size must be >= 4 (two 2x2 poolings), got {}", image_size);
+  check_dropout("CNN", dropout);
+}
+
 CNN::CNN(CNNConfig cfg) : config(cfg) {
+  config.validate();
   net = register_module("net", std::make_shared<Sequential>());
   net->push_back(std::make_shared<Conv2d>(config.in_channels, config.channels1, 3, Conv2dLayerOptions{.padding = 1}));
   net->push_back(std::make_shared<ReLU>());
@@ -84,10 +113,19 @@ GPTConfig GPTConfig::gpt2_small() {
   return {.vocab_size = 50257, .block_size = 1024, .n_layer = 12, .n_head = 12, .n_embd = 768};
 }
 
+void GPTConfig::validate() const {
+  check_size("GPT", "vocab_size", vocab_size);
+  check_size("GPT", "block_size", block_size);
+  check_size("GPT", "n_layer", n_layer);
+  check_size("GPT", "n_head", n_head);
+  check_size("GPT", "n_embd", n_embd);
+  MB_CHECK(n_embd % n_head == 0, "[GPT] n_embd {} is not divisible by n_head {}", n_embd, n_head);
+  check_dropout("GPT", dropout);
+}
+
 CausalSelfAttention::CausalSelfAttention(const GPTConfig& config)
     : n_head(config.n_head), dropout(config.dropout) {
-  MB_CHECK(config.n_embd % config.n_head == 0, "[GPT] n_embd {} is not divisible by n_head {}",
-           config.n_embd, config.n_head);
+  config.validate();
   c_attn = register_module("c_attn", std::make_shared<Linear>(config.n_embd, 3 * config.n_embd));
   c_proj = register_module("c_proj", std::make_shared<Linear>(config.n_embd, config.n_embd));
 }
@@ -123,6 +161,7 @@ Tensor Block::forward(const Tensor& x) {
 }
 
 GPT::GPT(GPTConfig cfg) : config(cfg) {
+  config.validate();
   wte = register_module("wte", std::make_shared<Embedding>(config.vocab_size, config.n_embd));
   wpe = register_module("wpe", std::make_shared<Embedding>(config.block_size, config.n_embd));
   drop = register_module("drop", std::make_shared<Dropout>(config.dropout));

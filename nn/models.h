@@ -33,6 +33,8 @@ struct MLPConfig {
   std::vector<std::int64_t> hidden = {256, 128};
   std::int64_t num_classes = 10;
   double dropout = 0.0;
+  /// Throws microbatch::Error naming the first size < 1 or a dropout outside [0, 1).
+  void validate() const;
 };
 
 /// Flatten -> [Linear -> ReLU -> Dropout] per hidden width -> Linear; cross-entropy loss.
@@ -53,8 +55,10 @@ struct CNNConfig {
   std::int64_t channels2 = 64;
   std::int64_t hidden = 128;
   std::int64_t num_classes = 10;
-  std::int64_t image_size = 28;
+  std::int64_t image_size = 28;  // at least 4: two 2x2 poolings
   double dropout = 0.0;
+  /// Throws microbatch::Error naming the first size out of range or a dropout outside [0, 1).
+  void validate() const;
 };
 
 /// conv3x3 -> ReLU -> pool2 -> conv3x3 -> ReLU -> pool2 -> Linear -> ReLU -> Linear.
@@ -82,6 +86,9 @@ struct GPTConfig {
   /// GPT-2 small (124M): the 50257-token vocabulary, 1024 positions, 12 layers of 12 heads, 768 wide,
   /// the head tied to the token embedding: 124,439,808 parameters.
   static GPTConfig gpt2_small();
+  /// Throws microbatch::Error naming the first size < 1, an n_embd not divisible by n_head, or a
+  /// dropout outside [0, 1).
+  void validate() const;
 };
 
 class CausalSelfAttention : public Module {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <sstream>
 
@@ -74,7 +76,8 @@ std::string breakdown_text(const MemoryBreakdown& b) {
                      format_bytes(b.workspace));
 }
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+// ceil(a / b) for a >= 0, b >= 1, without (a + b - 1)'s overflow near INT64_MAX.
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
 }  // namespace
 
@@ -272,24 +275,79 @@ bool MemoryPlanner::fits(std::int64_t n, bool checkpointing) {
   return predict_window(n, checkpointing).total() <= usable_;
 }
 
-std::int64_t MemoryPlanner::max_micro_batch(bool checkpointing) {
-  // A window's peak is at least the peak of one step of its largest micro-batch, and that grows
-  // with n: binary search on it for the upper bound (lo fits, hi does not).
-  auto step_fits = [&](std::int64_t n) { return predict(n, checkpointing).total() <= usable_; };
-  if (!step_fits(1)) return 0;
-  std::int64_t lo = 1, hi = config_.effective_batch;
-  if (step_fits(hi)) {
-    lo = hi;
-  } else {
-    while (hi - lo > 1) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      (step_fits(mid) ? lo : hi) = mid;
+// Note [Searching for the micro-batch]: a window's peak is at least the peak of one step of its
+// largest micro-batch, and that grows with n, so a binary search on single steps bounds the answer:
+// `top`'s step fits, top + 1's does not (nor does its window). The window's own peak is not
+// monotone in n: it depends on the sizes of the last micro-batch and of the epoch's tail (Note
+// [Uneven windows]), which jump as n moves. An n that splits the effective batch E evenly (or
+// leaves a last micro-batch close to n, whose blocks it can reuse) adds almost nothing to one
+// step's peak, while its neighbour may add a whole second set of blocks, so below an n that does
+// not fit a smaller one may fit again. Each window is a full measurement on meta, and walking
+// down from top one size at a time took thousands of them for a large E (6 minutes for the
+// Fashion-MNIST MLP at E = 8192). The search takes O(log E) measurements instead, and its answer
+// fits and is maximal (n fits, n + 1 does not):
+//   - walk down from top one size at a time, as far as log2(top) sizes: where the walk's answer is
+//     near top (most budgets), this is the walk's answer;
+//   - then gallop down (strides 2, 4, 8, ...) to a size that fits and bisect between it and the
+//     last size that did not;
+//   - then, since throughput follows the number of micro-batches ceil(E / n) (Note [Expected
+//     throughput]), try the even split ceil(E / k) of each smaller count k, fewest first (up to
+//     log2(top) of them): the first that fits gives the largest size it can find with k
+//     micro-batches, by the same gallop and bisection from the largest size with k.
+// Over a sweep of budgets for the MLP, CNN and GPT of tests/train/test_planner.cpp the answer has
+// the walk's number of micro-batches every time, and is the walk's own answer for all but a few
+// budgets where the window's peak dips again further down (a size with the same count).
+
+std::int64_t MemoryPlanner::search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
+                                        bool checkpointing) {
+  std::int64_t hit = 0, stride = 1;
+  for (std::int64_t probes = 1; hit == 0; ++probes) {
+    const std::int64_t n = std::max(miss - stride, floor);
+    if (fits(n, checkpointing)) {
+      hit = n;
+    } else if (n == floor) {
+      return 0;
+    } else {
+      miss = n;
+      if (probes >= walk) stride *= 2;
     }
   }
-  // A window's peak is not monotone in n (it depends on the size of the last micro-batch, Note
-  // [Uneven windows]), so walk down to the largest n whose whole window fits.
-  while (lo > 0 && !fits(lo, checkpointing)) --lo;
-  return lo;
+  while (miss - hit > 1) {
+    const std::int64_t mid = hit + (miss - hit) / 2;
+    (fits(mid, checkpointing) ? hit : miss) = mid;
+  }
+  return hit;
+}
+
+std::int64_t MemoryPlanner::max_micro_batch(bool checkpointing) {
+  auto step_fits = [&](std::int64_t n) { return predict(n, checkpointing).total() <= usable_; };
+  if (!step_fits(1)) return 0;
+  const std::int64_t e = config_.effective_batch;
+  std::int64_t top = 1, above = e;  // top's step fits, above's does not
+  if (step_fits(above)) {
+    top = above;
+  } else {
+    while (above - top > 1) {
+      const std::int64_t mid = top + (above - top) / 2;
+      (step_fits(mid) ? top : above) = mid;
+    }
+  }
+  if (fits(top, checkpointing)) return top;
+  if (top == 1) return 0;
+  const auto log2_top = static_cast<std::int64_t>(std::bit_width(static_cast<std::uint64_t>(top)));
+  std::int64_t n = search_down(top, 1, log2_top, checkpointing);
+  if (n == 0) return 0;
+  // Fewer micro-batches. The counts are tried in order, so when k's even split fits, the even split
+  // of k - 1 (one above the largest size with k) is known not to: the answer stays maximal.
+  std::int64_t tries = log2_top;
+  for (std::int64_t k = ceil_div(e, top); k < ceil_div(e, n) && tries > 0; ++k, --tries) {
+    const std::int64_t even = ceil_div(e, k);
+    if (!fits(even, checkpointing)) continue;
+    const std::int64_t most = k == 1 ? top : std::min(top, ceil_div(e, k - 1) - 1);
+    n = most == even ? even : search_down(most + 1, even, 0, checkpointing);
+    break;
+  }
+  return n;
 }
 
 MemoryPlan MemoryPlanner::make_plan(std::int64_t n, bool checkpointing) {

@@ -102,8 +102,10 @@ class MemoryPlanner {
   /// fits budget * (1 - margin). Throws OutOfMemoryError (a microbatch::Error) saying how much is
   /// needed when even one sample does not fit, or when a fixed micro_batch_size does not.
   MemoryPlan plan();
-  /// Largest micro-batch size (at most the effective batch) whose predicted window peak fits, for a
-  /// given checkpointing choice (0 if none).
+  /// A micro-batch size n (at most the effective batch) whose predicted window peak fits while the
+  /// peak of n + 1 does not, for a given checkpointing choice (0 if none), in O(log n)
+  /// measurements: the largest that fits wherever the window's peak is monotone (Note [Searching
+  /// for the micro-batch]).
   std::int64_t max_micro_batch(bool checkpointing);
   /// Predicted peak of a window of micro-batches of n (the last one smaller when n does not divide
   /// the effective batch) followed by the next window's first micro-batch: the steady-state peak of
@@ -114,6 +116,11 @@ class MemoryPlanner {
 
  private:
   bool fits(std::int64_t n, bool checkpointing);
+  /// A size in [floor, miss) whose window fits while the next one's does not, given that miss's
+  /// does not fit (0 if none down to floor does): down one size at a time for `walk` sizes, then by
+  /// doubling strides, then bisecting (Note [Searching for the micro-batch]).
+  std::int64_t search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
+                           bool checkpointing);
   /// The peak of micro-batches of these sizes in sequence, on one model (memoized).
   MemoryBreakdown measure(const std::vector<std::int64_t>& sizes, bool checkpointing);
   std::vector<std::int64_t> window_sizes(std::int64_t n) const;

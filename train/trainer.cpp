@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -110,7 +111,18 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
 
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args, const Dataset& train_set,
                          Device device) {
-  const BatchTriad triad = resolve_batch_triad(args);
+  BatchTriad triad = resolve_batch_triad(args);
+  MB_CHECK(train_set.size() > 0, "[plan_training] the training set is empty");
+  if (triad.effective > train_set.size()) {
+    // A window never holds more than the training set (the loader's one batch is all of it): a
+    // larger effective batch is planned and trained as the whole set, which also keeps the loader's
+    // and the planner's batch counts clear of int64 overflow.
+    triad.effective = train_set.size();
+    if (triad.micro > 0) {
+      triad.micro = std::min(triad.micro, triad.effective);
+      triad.accumulation = (triad.effective + triad.micro - 1) / triad.micro;
+    }
+  }
   if (args.memory_budget == 0) {
     MemoryPlan p;
     p.micro_batch_size = triad.micro;
@@ -272,7 +284,13 @@ std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const s
 // zeroed and the whole window re-run with the split, which is exact too (and logged as such).
 TrainOutput Trainer::train() {
   namespace fs = std::filesystem;
-  fs::create_directories(args_.output_dir);
+  {
+    std::error_code ec;
+    fs::create_directories(args_.output_dir, ec);
+    const bool folder = !ec && fs::is_directory(args_.output_dir, ec);
+    MB_CHECK(folder, "[Trainer] cannot create output_dir '{}': {}", args_.output_dir,
+             ec ? ec.message() : std::string("it exists and is not a folder"));
+  }
   std::ofstream log_file(fs::path(args_.output_dir) / "log.jsonl", std::ios::app);
   MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
   std::ostream& out = *log_stream_;
@@ -291,14 +309,16 @@ TrainOutput Trainer::train() {
   DataLoader loader(train_set_, {.batch_size = plan_.effective_batch, .shuffle = true, .seed = args_.seed,
                                  .prefetch = 0});
   const std::int64_t windows_per_epoch = loader.num_batches();
+  const double epoch_steps =
+      std::ceil(args_.num_train_epochs * static_cast<double>(windows_per_epoch));
+  MB_CHECK(args_.max_steps > 0 || epoch_steps < std::ldexp(1.0, 63),
+           "[Trainer] num_train_epochs {} x {} optimizer steps per epoch is past the int64 range",
+           args_.num_train_epochs, windows_per_epoch);
   const std::int64_t total_steps =
-      args_.max_steps > 0 ? args_.max_steps
-                          : static_cast<std::int64_t>(std::ceil(args_.num_train_epochs * static_cast<double>(windows_per_epoch)));
-  const std::int64_t warmup =
-      args_.warmup_steps > 0 ? args_.warmup_steps
-                             : static_cast<std::int64_t>(std::ceil(args_.warmup_ratio * static_cast<double>(total_steps)));
+      args_.max_steps > 0 ? args_.max_steps : static_cast<std::int64_t>(epoch_steps);
   optim::LRScheduler scheduler(adamw, {.type = optim::parse_schedule(args_.lr_scheduler_type),
-                                       .warmup_steps = warmup, .total_steps = total_steps});
+                                       .warmup_steps = args_.get_warmup_steps(total_steps),
+                                       .total_steps = total_steps});
 
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0;

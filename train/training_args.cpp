@@ -35,11 +35,15 @@ std::int64_t parse_bytes(const std::string& text) {
   else if (unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
   else MB_CHECK(false, "[memory_budget] unknown unit '{}' in '{}': use B, KB, MB, GB, KiB, MiB or GiB", unit, text);
   MB_CHECK(value >= 0 && std::isfinite(value), "[memory_budget] size must be non-negative, got '{}'", text);
+  // llround of a size past 2^63 bytes is undefined (it came back as INT64_MIN).
+  MB_CHECK(value * scale < std::ldexp(1.0, 63),
+           "[memory_budget] '{}' is too large: a size must be less than 8 EiB (2^63 bytes)", text);
   return static_cast<std::int64_t>(std::llround(value * scale));
 }
 
 void TrainingArguments::validate() const {
-  MB_CHECK(per_device_train_batch_size >= 0,
+  MB_CHECK(!output_dir.empty(), "[TrainingArguments] output_dir must name a folder, got ''");
+  MB_CHECK(per_device_train_batch_size >= 1 || per_device_train_batch_size == kAutoBatch,
            "[TrainingArguments] per_device_train_batch_size must be >= 1 or auto, got {}",
            per_device_train_batch_size);
   MB_CHECK(per_device_eval_batch_size >= 1, "[TrainingArguments] per_device_eval_batch_size must be >= 1, got {}",
@@ -99,6 +103,17 @@ Device TrainingArguments::requested_device() const {
   return d;
 }
 
+std::int64_t TrainingArguments::get_warmup_steps(std::int64_t num_training_steps) const {
+  MB_CHECK(num_training_steps >= 0, "[TrainingArguments] num_training_steps must be >= 0, got {}",
+           num_training_steps);
+  if (warmup_steps > 0) return warmup_steps;
+  // In doubles, ratio x steps can round past the run (and past INT64_MAX, whose cast is undefined):
+  // a warmup is never longer than the run.
+  const double steps = std::ceil(warmup_ratio * static_cast<double>(num_training_steps));
+  return steps >= static_cast<double>(num_training_steps) ? num_training_steps
+                                                          : static_cast<std::int64_t>(steps);
+}
+
 Device TrainingArguments::training_device() const {
   const Device d = requested_device();
   if (d.is_cuda()) {
@@ -129,7 +144,8 @@ BatchTriad resolve_batch_triad(const TrainingArguments& a) {
     return {effective, effective / steps, steps};
   }
   if (steps == 1) {  // derive the accumulation steps; the window's last micro-batch may be smaller
-    return {effective, std::min(micro, effective), (effective + micro - 1) / micro};
+    // ceil(effective / micro), written so that it cannot overflow near INT64_MAX.
+    return {effective, std::min(micro, effective), effective / micro + (effective % micro != 0)};
   }
   std::int64_t product = 0;
   MB_CHECK(!__builtin_mul_overflow(micro, steps, &product) && product == effective,
@@ -220,6 +236,10 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
       a.per_device_train_batch_size = kAutoBatch;
     } else {
       get("per_device_train_batch_size", a.per_device_train_batch_size);
+      // "auto" is the one spelling of an automatic micro-batch: kAutoBatch's number is not another.
+      MB_CHECK(a.per_device_train_batch_size >= 1,
+               "[TrainingArguments] per_device_train_batch_size must be >= 1 or \"auto\", got {}",
+               shown_json(v));
     }
   }
   get("per_device_eval_batch_size", a.per_device_eval_batch_size);

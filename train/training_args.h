@@ -14,12 +14,13 @@
 
 namespace microbatch::train {
 
-/// per_device_train_batch_size = kAutoBatch: the memory planner chooses it.
-inline constexpr std::int64_t kAutoBatch = 0;
+/// per_device_train_batch_size = kAutoBatch: the memory planner chooses it. Spelled "auto" in JSON
+/// and on the command line; 0, as in Hugging Face, is not a batch size and is refused.
+inline constexpr std::int64_t kAutoBatch = -1;
 
 struct TrainingArguments {
   std::string output_dir = "runs/microbatch";
-  std::int64_t per_device_train_batch_size = 8;  // the micro-batch, or kAutoBatch ("auto")
+  std::int64_t per_device_train_batch_size = 8;  // the micro-batch (>= 1), or kAutoBatch ("auto")
   std::int64_t per_device_eval_batch_size = 8;
   std::int64_t gradient_accumulation_steps = 1;
   std::int64_t train_batch_size = 0;             // effective batch; 0 = micro x accumulation steps
@@ -66,6 +67,9 @@ struct TrainingArguments {
   Device requested_device() const;
   /// requested_device(), checked to be present on this machine: where training runs.
   Device training_device() const;
+  /// Warmup steps for a run of num_training_steps optimizer steps (Hugging Face's name): warmup_steps
+  /// when set, else ceil(warmup_ratio * num_training_steps), at most the run.
+  std::int64_t get_warmup_steps(std::int64_t num_training_steps) const;
   nlohmann::json to_json() const;
   /// Reads the arguments from JSON objects with these names; unknown names are refused.
   static TrainingArguments from_json(const nlohmann::json& j);

@@ -7,6 +7,7 @@
 // The budgets are placed with the planner's own predictions, only to land in each regime; every
 // claim is then checked against the CPU allocator's statistics. All tests share the process-wide
 // CPU allocator: each real run restores its budget and empties its cache when it ends.
+#include <bit>
 #include <cmath>
 #include <optional>
 
@@ -378,4 +379,110 @@ TEST_CASE("planner: the plan prints as a table and as JSON") {
   CHECK(j["breakdown"]["activations"] == 4096);
   CHECK(j["breakdown"]["total"] == 8704);
   CHECK(j["gradient_checkpointing"] == true);
+}
+
+namespace {
+
+// One step's and one window's predicted peak for every micro-batch size 1..effective (index 0
+// unused): measurements do not depend on the budget, so one probe serves every budget.
+struct Landscape {
+  std::vector<std::int64_t> step, window;
+};
+
+Landscape landscape(const Case& c, bool ckpt) {
+  MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+  Landscape l{std::vector<std::int64_t>(c.effective + 1),
+              std::vector<std::int64_t>(c.effective + 1)};
+  for (std::int64_t n = 1; n <= c.effective; ++n) {
+    l.step[n] = probe.predict(n, ckpt).total();
+    l.window[n] = probe.predict_window(n, ckpt).total();
+  }
+  return l;
+}
+
+// The exhaustive answer: below the largest size whose one step fits, every size down to the
+// first whose window fits (one measurement each).
+std::int64_t walk_down(const Landscape& l, std::int64_t usable) {
+  std::int64_t n = static_cast<std::int64_t>(l.step.size()) - 1;
+  while (n > 0 && l.step[n] > usable) --n;
+  while (n > 0 && l.window[n] > usable) --n;
+  return n;
+}
+
+std::int64_t micro_batches(std::int64_t effective, std::int64_t n) {
+  return n == 0 ? 0 : (effective + n - 1) / n;
+}
+
+}  // namespace
+
+TEST_CASE("planner: the micro-batch search finds the exhaustive walk's micro-batch count") {
+  for (const Case& c : {mlp_case(), cnn_case(), gpt_case()}) {
+    MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+    const double one = static_cast<double>(probe.predict_window(1, false).total());
+    const double one_ckpt = static_cast<double>(probe.predict_window(1, true).total());
+    const double full = static_cast<double>(probe.predict_window(c.effective, false).total());
+    // check_regimes' budgets, which must give the walk's very answer ...
+    std::vector<std::int64_t> exact = {budget_for(full * 1.1), budget_for((one + full) / 2),
+                                       budget_for((one + one_ckpt) / 2)};
+    for (int percent = 1; percent <= 30; ++percent)
+      exact.push_back(budget_for(one + percent / 100.0 * (full - one)));
+    // ... and a sweep from below one sample to above the whole batch.
+    std::vector<std::int64_t> sweep;
+    for (int i = 0; i <= 24; ++i)
+      sweep.push_back(budget_for(one_ckpt * 0.98 + i / 24.0 * (full * 1.02 - one_ckpt * 0.98)));
+    for (bool ckpt : {false, true}) {
+      const Landscape l = landscape(c, ckpt);
+      int same = 0, budgets = 0;
+      for (const std::vector<std::int64_t>* list : {&exact, &sweep}) {
+        for (std::int64_t budget : *list) {
+          MemoryPlanner planner(c.make, c.sample,
+                                {.budget = budget, .effective_batch = c.effective});
+          const std::int64_t usable = planner.usable_budget();
+          const std::int64_t n = planner.max_micro_batch(ckpt), walked = walk_down(l, usable);
+          INFO(std::string(c.name) << std::string(ckpt ? " with checkpointing" : "") << ", budget "
+                                   << budget << ": search " << n << ", walk " << walked);
+          if (list == &exact) CHECK(n == walked);
+          CHECK(micro_batches(c.effective, n) == micro_batches(c.effective, walked));
+          if (n > 0) {
+            CHECK(l.window[n] <= usable);                          // fits
+            if (n < c.effective) CHECK(l.window[n + 1] > usable);  // maximal
+          }
+          same += n == walked;
+          ++budgets;
+        }
+      }
+      MESSAGE(std::string(c.name) << std::string(ckpt ? " with checkpointing" : "")
+                                  << ": the walk's own answer at " << same << " of " << budgets
+                                  << " budgets, and its micro-batch count at all of them");
+    }
+  }
+}
+
+TEST_CASE("planner: the micro-batch search takes O(log E) measurements, not hundreds") {
+  // The MLP with an effective batch of 1000, under the budget of one step of 750: every window from
+  // 750 down to about 550 holds a second set of blocks for its smaller last micro-batch and does
+  // not fit, so the walk measured each of them.
+  Case c = mlp_case();
+  c.effective = 1000;
+  int measurements = 0;
+  const ModelFactory counted = [&](bool ckpt) {
+    ++measurements;
+    return c.make(ckpt);
+  };
+  MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
+  const std::int64_t budget = budget_for(static_cast<double>(probe.predict(750, false).total()));
+  MemoryPlanner planner(counted, c.sample, {.budget = budget, .effective_batch = c.effective});
+  const std::int64_t n = planner.max_micro_batch(false);
+  const int bound = 8 * static_cast<int>(std::bit_width(static_cast<std::uint64_t>(c.effective)));
+  MESSAGE("micro-batch " << n << " of " << c.effective << " in " << measurements
+                         << " measurements (bound " << bound << ")");
+  CHECK(measurements <= bound);
+  CHECK(n > 0);
+  CHECK(planner.predict_window(n, false).total() <= planner.usable_budget());
+  CHECK(planner.predict_window(n + 1, false).total() > planner.usable_budget());
+  // The walk would have measured every size from the step bound down past the bound's worth.
+  std::int64_t top = c.effective;
+  while (planner.predict(top, false).total() > planner.usable_budget()) --top;
+  for (std::int64_t m = top; m > top - bound; --m)
+    CHECK(planner.predict_window(m, false).total() > planner.usable_budget());
 }

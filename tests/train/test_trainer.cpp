@@ -1,14 +1,16 @@
 // The Trainer: arguments, metrics, training under a memory budget (measured peak within it, same
 // result as an unlimited run), out-of-memory recovery, and kill-and-resume through the command.
-#include <algorithm>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <sstream>
 #include <thread>
 
 #include "core/safetensors.h"
@@ -590,3 +592,243 @@ TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-
                     << packed_out.oom_splits << " out-of-memory splits; by count, " << counted_out.oom_splits
                     << " splits");
 }
+
+TEST_CASE("Trainer: an output_dir that cannot be made is refused by name, with the reason") {
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(16, 1);
+  const fs::path file = dir.path / "a_file";
+  std::ofstream(file) << "x";
+  for (const fs::path& out : {file, file / "below", fs::path("/proc/microbatch_test")}) {
+    INFO(out.string());
+    TrainingArguments a = small_run(out);
+    a.max_steps = 1;
+    check_throws_with([&] { quiet_train(a, train_set); },
+                      "[Trainer] cannot create output_dir '" + out.string() + "': ");
+  }
+  check_throws_with([] { TrainingArguments{.output_dir = ""}.validate(); },
+                    "output_dir must name a folder");
+}
+
+TEST_CASE("TrainingArguments: a warmup ratio of the longest run never overflows nor outlasts it") {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  CHECK(TrainingArguments{.warmup_ratio = 1.0}.get_warmup_steps(kMax) == kMax);
+  CHECK(TrainingArguments{.warmup_ratio = 0.1}.get_warmup_steps(1000) == 100);
+  CHECK(TrainingArguments{.warmup_ratio = 0.1}.get_warmup_steps(5) == 1);  // ceil, as Hugging Face
+  CHECK(TrainingArguments{.warmup_steps = 7, .warmup_ratio = 0.5}.get_warmup_steps(100) == 7);
+  // The run starts (the scheduler accepts its warmup) and its first step warms up from 0.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(16, 1);
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = kMax;
+  a.warmup_ratio = 1.0;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), a, train_set);
+  trainer.set_log_stream(&sink);
+  struct FirstStep {};
+  trainer.set_step_callback([](std::int64_t) { throw FirstStep{}; });
+  CHECK_THROWS_AS(trainer.train(), FirstStep);
+  REQUIRE(!read_log(dir.path).empty());
+  const nlohmann::json first = read_log(dir.path).back();
+  CHECK(first["step"] == 1);
+  CHECK(first["learning_rate"].get<double>() < 1e-12);
+}
+
+TEST_CASE("TrainingArguments: out-of-range sizes and batches say what is wrong") {
+  check_throws_with([] { parse_bytes("1e30"); }, "'1e30' is too large");
+  check_throws_with([] { parse_bytes("9EiB"); }, "unknown unit");
+  CHECK(parse_bytes("7TiB") == std::int64_t{7} << 40);
+  // 0 is not a batch size; "auto" is the one spelling of an automatic one.
+  check_throws_with([] { TrainingArguments{.per_device_train_batch_size = 0}.validate(); },
+                    "per_device_train_batch_size must be >= 1 or auto, got 0");
+  auto from = [](const char* text) {
+    return TrainingArguments::from_json(nlohmann::json::parse(text));
+  };
+  check_throws_with([&] { from(R"({"per_device_train_batch_size": 0})"); },
+                    "must be >= 1 or \"auto\", got 0");
+  check_throws_with([&] { from(R"({"per_device_train_batch_size": -1})"); },
+                    "must be >= 1 or \"auto\", got -1");
+  CHECK(from(R"({"per_device_train_batch_size": "auto"})").per_device_train_batch_size ==
+        kAutoBatch);
+  // ceil(effective / micro) next to INT64_MAX.
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const BatchTriad t =
+      resolve_batch_triad({.per_device_train_batch_size = 64, .train_batch_size = kMax});
+  CHECK((t.effective == kMax && t.micro == 64 && t.accumulation == kMax / 64 + 1));
+}
+
+TEST_CASE("Trainer: an effective batch beyond the training set is one window of all of it") {
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(20, 1);
+  TrainingArguments a = small_run(dir.path);
+  a.per_device_train_batch_size = 8;
+  a.gradient_accumulation_steps = 1;
+  a.train_batch_size = std::numeric_limits<std::int64_t>::max();
+  a.max_steps = 2;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), a, train_set);
+  trainer.set_log_stream(&sink);
+  CHECK(trainer.plan().effective_batch == 20);
+  CHECK(trainer.plan().accumulation_steps == 3);
+  CHECK(trainer.train().global_step == 2);
+  for (const nlohmann::json& l : step_lines(dir.path)) {
+    CHECK(l["steps_per_window"] == 3);  // 8 + 8 + 4
+    CHECK(l["epoch"].get<double>() == l["step"].get<double>());
+  }
+}
+
+TEST_CASE("model configs: sizes, heads and dropout are checked, naming the field") {
+  const nn::GPTConfig ok{.vocab_size = 8, .block_size = 4, .n_layer = 1, .n_head = 2, .n_embd = 8};
+  ok.validate();
+  auto gpt_with = [&](auto change) {
+    nn::GPTConfig c = ok;
+    change(c);
+    return [c] { nn::GPT model(c); };
+  };
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_head = 0; }),
+                    "[GPT] n_head must be >= 1, got 0");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_head = -4; }),
+                    "[GPT] n_head must be >= 1, got -4");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_layer = 0; }),
+                    "[GPT] n_layer must be >= 1, got 0");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_layer = -1; }),
+                    "[GPT] n_layer must be >= 1, got -1");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_embd = 0; }),
+                    "[GPT] n_embd must be >= 1, got 0");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_embd = 10, c.n_head = 4; }),
+                    "[GPT] n_embd 10 is not divisible by n_head 4");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.block_size = 0; }),
+                    "[GPT] block_size must be >= 1, got 0");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.vocab_size = 0; }),
+                    "[GPT] vocab_size must be >= 1, got 0");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.dropout = 1.0; }),
+                    "[GPT] dropout must be in [0, 1), got 1");
+  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.dropout = -0.1; }),
+                    "[GPT] dropout must be in [0, 1)");
+  const nn::MLPConfig zero_width{.hidden = {64, 0}};
+  check_throws_with([&] { nn::MLP m(zero_width); }, "[MLP] every hidden width must be >= 1, got 0");
+  check_throws_with([] { nn::MLP m({.num_classes = 0}); }, "[MLP] num_classes must be >= 1, got 0");
+  check_throws_with([] { nn::MLP m({.dropout = 1.5}); },
+                    "[MLP] dropout must be in [0, 1), got 1.5");
+  check_throws_with([] { nn::CNN m({.channels2 = 0}); }, "[CNN] channels2 must be >= 1, got 0");
+  check_throws_with([] { nn::CNN m({.image_size = 3}); }, "[CNN] image_size must be >= 4");
+}
+
+#ifdef MB_CLI_PATH
+namespace {
+struct CommandResult {
+  int status = -1;     // the exit status, or 128 + the signal that ended it
+  std::string output;  // stdout and stderr
+};
+
+// Runs the command with `args`, for at most two minutes (a hang exits 124).
+CommandResult run_command(const std::string& args, const fs::path& out) {
+  const std::string cmd =
+      fmt::format("timeout 120 {} {} > {} 2>&1", MB_CLI_PATH, args, out.string());
+  const int raw = std::system(cmd.c_str());
+  CommandResult r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  std::ifstream in(out);
+  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return r;
+}
+}  // namespace
+
+TEST_CASE("the command: bad input is a message and exit status 2, never an abort or a hang") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt", file = dir.path / "a_file";
+  std::ofstream(file) << "x";
+  const std::string gpt = fmt::format(
+      "train --model gpt --dataset synthetic --synthetic-size 32 --vocab-size 16 --n-layer 1 "
+      "--n-head 2 --n-embd 8 --block-size 8 --use-cpu --max-steps 1 --output-dir {}",
+      (dir.path / "run").string());
+  const std::pair<std::string, std::string> cases[] = {
+      {"--output-dir /proc/microbatch_test",
+       "error: [Trainer] cannot create output_dir '/proc/microbatch_test'"},
+      {"--output-dir " + file.string(),
+       "error: [Trainer] cannot create output_dir '" + file.string() + "'"},
+      {"--output-dir ''", "error: [--output-dir] needs a value, got an empty one"},
+      {"--data ''", "error: [--data] needs a value"},
+      {"--n-head 0", "error: [GPT] n_head must be >= 1, got 0"},
+      {"--n-head -4", "error: [GPT] n_head must be >= 1, got -4"},
+      {"--n-layer 0", "error: [GPT] n_layer must be >= 1, got 0"},
+      {"--n-layer -1", "error: [GPT] n_layer must be >= 1, got -1"},
+      {"--block-size 0", "error: [--block-size] must be >= 1, got 0"},
+      {"--model gpt2 --block-size 2000", "error: [--block-size] must be in [1, 1024] for gpt2"},
+      {"--memory-budget 1e30", "error: [memory_budget] '1e30' is too large"},
+      {"--per-device-train-batch-size 0",
+       "per_device_train_batch_size must be >= 1 or \"auto\", got 0"},
+      {"--gradient-accumulation-steps 3 --train-batch-size 32",
+       "train_batch_size 32 is not divisible by gradient_accumulation_steps 3"},
+      {"--gradient-accumulation-steps 4 --train-batch-size 32 --per-device-train-batch-size 64",
+       "per_device_train_batch_size 64 x gradient_accumulation_steps 4 = 256 does not equal "
+       "train_batch_size 32"},
+  };
+  for (const auto& [args, message] : cases) {
+    INFO(args);
+    const CommandResult r = run_command(gpt + " " + args, out);
+    INFO(r.output);
+    CHECK(r.status == 2);
+    CHECK(r.output.find(message) != std::string::npos);
+  }
+}
+
+TEST_CASE("the command: any two of the batch triad give the third; a huge effective batch trains") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  auto train = [&](const std::string& name, const std::string& args) {
+    const std::string a = fmt::format(
+        "train --model gpt --dataset synthetic --synthetic-size 40 --vocab-size 16 --n-layer 1 "
+        "--n-head 2 --n-embd 8 --block-size 8 --use-cpu --max-steps 1 --logging-steps 1 "
+        "--output-dir {} {}",
+        (dir.path / name).string(), args);
+    const CommandResult r = run_command(a, out);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const std::vector<nlohmann::json> lines = step_lines(dir.path / name);
+    REQUIRE(lines.size() == 1);
+    return lines[0];
+  };
+  // The command's default micro-batch (64) does not count as given.
+  nlohmann::json l =
+      train("steps_and_total", "--gradient-accumulation-steps 4 --train-batch-size 20");
+  CHECK(l["micro_batch_size"] == 5);
+  CHECK(l["steps_per_window"] == 4);
+  l = train("micro_and_total", "--per-device-train-batch-size 4 --train-batch-size 20");
+  CHECK(l["steps_per_window"] == 5);
+  l = train("micro_and_steps", "--per-device-train-batch-size 4 --gradient-accumulation-steps 2");
+  CHECK(l["samples"] == 8);
+  l = train("total_only", "--train-batch-size 12");  // the default micro-batch, capped by the batch
+  CHECK(l["micro_batch_size"] == 12);
+  // Past the 40 sequences: one window of all of them, at once rather than never.
+  l = train("huge", "--train-batch-size 9223372036854775807 --per-device-train-batch-size 16");
+  CHECK(l["samples"] == 40);
+  CHECK(l["steps_per_window"] == 3);
+}
+
+TEST_CASE("the command: check-accumulation --json prints JSON lines only") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  const CommandResult r = run_command("check-accumulation --json", out);
+  REQUIRE(r.status == 0);
+  std::istringstream lines(r.output);
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(lines, line)) {
+    INFO(line);
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    REQUIRE_FALSE(j.is_discarded());
+    rows.push_back(j);
+  }
+  REQUIRE(rows.size() > 1);
+  CHECK(rows.back() == nlohmann::json{{"result", "accumulation is exact"}, {"pass", true}});
+  int naive = 0;
+  for (std::size_t i = 0; i + 1 < rows.size(); ++i) {
+    CHECK(rows[i]["pass"] == true);
+    if (!rows[i].contains("naive_max_grad_rel")) continue;
+    ++naive;
+    CHECK(rows[i]["naive_max_grad_rel"].get<double>() > 0.0);
+  }
+  CHECK(naive > 0);
+  CHECK(naive < static_cast<int>(rows.size()) - 1);  // the rows without the figure leave it out
+}
+#endif
