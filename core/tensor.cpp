@@ -29,7 +29,9 @@ Shape contiguous_strides(const Shape& shape) {
   std::int64_t s = 1;
   for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
     strides[i] = s;
-    s *= std::max<std::int64_t>(shape[i], 1);
+    // Checked: a shape with a 0 holds nothing, yet its other dims can make strides past int64.
+    MB_CHECK(i == 0 || !__builtin_mul_overflow(s, std::max<std::int64_t>(shape[i], 1), &s),
+             "[tensor] shape {} has strides beyond int64's range", shape_str(shape));
   }
   return strides;
 }

@@ -247,6 +247,7 @@ void where(const StridedView& out, const StridedView& cond, const StridedView& a
 }
 
 void copy(const StridedView& out, const StridedView& in) {
+  if (out.numel() == 0) return;  // an empty tensor may have no data pointer, even for memcpy
   if (out.dtype == in.dtype && out.is_contiguous() && in.is_contiguous()) {
     std::memcpy(out.data, in.data, static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype));
     return;

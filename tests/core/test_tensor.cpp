@@ -140,6 +140,12 @@ TEST_CASE("empty refuses a shape whose size in bytes overflows, unless it has a 
   Tensor none = empty({std::int64_t{1} << 40, 0, std::int64_t{1} << 40});
   CHECK(none.numel() == 0);
   CHECK(none.nbytes() == 0);
+  CHECK(none.strides() == Shape{std::int64_t{1} << 40, std::int64_t{1} << 40, 1});
+  // Holding nothing, but with strides that int64 cannot hold.
+  check_throws_with(
+      [] { empty({std::int64_t{1} << 40, std::int64_t{1} << 40, 0, std::int64_t{1} << 40}); },
+      "[tensor] shape (1099511627776, 1099511627776, 0, 1099511627776) has strides beyond int64's "
+      "range");
 }
 
 TEST_CASE("from_vector in every dtype, and its size check") {
