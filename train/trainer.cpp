@@ -117,11 +117,8 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // A window never holds more than the training set (the loader's one batch is all of it): a
     // larger effective batch is planned and trained as the whole set, which also keeps the loader's
     // and the planner's batch counts clear of int64 overflow.
-    triad.effective = train_set.size();
-    if (triad.micro > 0) {
-      triad.micro = std::min(triad.micro, triad.effective);
-      triad.accumulation = (triad.effective + triad.micro - 1) / triad.micro;
-    }
+    triad = triad.micro > 0 ? split_effective_batch(train_set.size(), triad.micro)
+                            : BatchTriad{train_set.size(), 0, 0};
   }
   if (args.memory_budget == 0) {
     MemoryPlan p;

@@ -125,6 +125,11 @@ Device TrainingArguments::training_device() const {
   return d;
 }
 
+BatchTriad split_effective_batch(std::int64_t effective, std::int64_t micro) {
+  // ceil(effective / micro), written so that it cannot overflow near INT64_MAX.
+  return {effective, std::min(micro, effective), effective / micro + (effective % micro != 0)};
+}
+
 BatchTriad resolve_batch_triad(const TrainingArguments& a) {
   const std::int64_t micro = a.per_device_train_batch_size, steps = a.gradient_accumulation_steps;
   if (a.train_batch_size == 0) {
@@ -143,10 +148,8 @@ BatchTriad resolve_batch_triad(const TrainingArguments& a) {
              "gradient_accumulation_steps {}", effective, steps);
     return {effective, effective / steps, steps};
   }
-  if (steps == 1) {  // derive the accumulation steps; the window's last micro-batch may be smaller
-    // ceil(effective / micro), written so that it cannot overflow near INT64_MAX.
-    return {effective, std::min(micro, effective), effective / micro + (effective % micro != 0)};
-  }
+  // Derive the accumulation steps; the window's last micro-batch may be smaller.
+  if (steps == 1) return split_effective_batch(effective, micro);
   std::int64_t product = 0;
   MB_CHECK(!__builtin_mul_overflow(micro, steps, &product) && product == effective,
            "[TrainingArguments] per_device_train_batch_size {} x gradient_accumulation_steps {} = {} "

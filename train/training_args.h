@@ -93,5 +93,8 @@ struct BatchTriad {
   std::int64_t accumulation = 0;    // 0 when automatic
 };
 BatchTriad resolve_batch_triad(const TrainingArguments& args);
+/// The triad of `effective` items in micro-batches of at most `micro` (>= 1): ceil(effective /
+/// micro) steps, the window's last micro-batch possibly smaller.
+BatchTriad split_effective_batch(std::int64_t effective, std::int64_t micro);
 
 }  // namespace microbatch::train

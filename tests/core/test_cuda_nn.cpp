@@ -61,14 +61,20 @@ OpFn attention_fn(bool causal, bool heads_transposed = false) {
   };
 }
 
-// The gradients of sum(f(inputs) * r) on cuda:0, copied to the CPU.
-V cuda_grads(const OpFn& f, const V& inputs) {
+// Copies of `inputs` on cuda:0, leaves that require grad where their sources do.
+V cuda_leaves(const V& inputs) {
   V on_gpu;
   for (const Tensor& t : inputs) {
     Tensor g = t.detach().to(cuda_device(0));
     g.requires_grad_(t.requires_grad());
     on_gpu.push_back(g);
   }
+  return on_gpu;
+}
+
+// The gradients of sum(f(inputs) * r) on cuda:0, copied to the CPU.
+V cuda_grads(const OpFn& f, const V& inputs) {
+  V on_gpu = cuda_leaves(inputs);
   Tensor out = f(on_gpu);
   Tensor r = input(out.shape(), -1, 1, 99).detach().to(out.dtype()).to(cuda_device(0));
   sum(out * r).backward();
@@ -430,12 +436,7 @@ MB_CUDA_TEST_CASE("cuda cross_entropy writes its gradient over logits that nothi
   };
   using Make = std::function<Tensor(const V&)>;
   auto run = [](const Make& make, const V& leaves, const Tensor& target, bool keep) {
-    V in;
-    for (const Tensor& t : leaves) {
-      Tensor g = t.detach().to(cuda_device(0));
-      g.requires_grad_(true);
-      in.push_back(g);
-    }
+    const V in = cuda_leaves(leaves);  // every one requires grad (leaf())
     Tensor logits = make(in);
     const std::int64_t bytes = logits.storage()->nbytes;
     Tensor loss = cross_entropy(logits, target.to(cuda_device(0)), {.label_smoothing = 0.1});
