@@ -211,6 +211,20 @@ struct NodeOrder {
   bool operator()(const Node* a, const Node* b) const { return a->sequence_nr() < b->sequence_nr(); }
 };
 
+// Note [Summing gradients in place]: where two gradients reach the same input (a residual
+// stream's branches, a tensor used twice), the engine adds the second into the first when nothing
+// else can see the first: the buffer's handle is the only one on the tensor and on its memory (no
+// view of it, no other buffer, no caller's variable, no node's saved tensor), and it is a dense
+// tensor of the second's shape, dtype and device. The sum then costs no memory of its own, and an
+// activation-sized buffer less is live while it runs. `slot += 1 * g` rounds as `slot + g` does
+// (the product by 1 is exact, and 16-bit sums are rounded once from f32 either way), so the bits
+// are those of the out-of-place sum, which every other case still takes.
+bool can_add_in_place(const Tensor& slot, const Tensor& g) {
+  return slot.impl_ptr().use_count() == 1 && slot.storage().use_count() == 1 &&
+         slot.is_contiguous() && is_floating(slot.dtype()) && slot.dtype() == g.dtype() &&
+         slot.shape() == g.shape() && slot.device() == g.device();
+}
+
 void add_into(Tensor& slot, const Tensor& g) {
   if (!slot.defined()) {
     slot = g;
@@ -218,7 +232,11 @@ void add_into(Tensor& slot, const Tensor& g) {
   }
   std::optional<profiler::Scope> scope;
   if (profiler::enabled()) scope.emplace("grad_sum", g.device(), profiler::Nesting::always);
-  slot = add(slot, g);
+  if (can_add_in_place(slot, g)) {
+    accumulate_(slot, g, 1.0);
+  } else {
+    slot = add(slot, g);
+  }
 }
 
 // Times a node's run as "<op> backward" (Note [Profiler scopes]), on the device of its first

@@ -131,10 +131,12 @@ struct LtKey {
   auto operator<=>(const LtKey&) const = default;
 };
 
-// The algorithm for a key, or none (ok false): Lt offered none, or refused the call.
+// The algorithm for a key, or none (ok false): Lt offered none, or refused the call, and then
+// why (describe_refusal), which every later call of that key reports.
 struct LtChoice {
   bool ok = false;
   cublasLtMatmulAlgo_t algo{};
+  std::string refusal;
 };
 
 // One line on a call cuBLASLt declined, for lt_last_refusal.
@@ -364,6 +366,10 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
     auto it = lt_algos().find(key);
     if (it != lt_algos().end()) {
       choice = it->second;
+      if (!choice.ok) {  // this call is the last one declined now
+        g_not_offered.reset();
+        g_lt_refusal = choice.refusal;
+      }
     } else {
       MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
       set_pref(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
@@ -381,13 +387,19 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
       if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
         choice = {.ok = true, .algo = result.algo};
       } else {
-        MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED,
-                 "[gemm] cublasLtMatmulAlgoGetHeuristic failed: {}", cublas_status_name(status));
+        // The statuses that refuse a configuration, as cublasLtMatmul's below; an invalid
+        // combination of descriptors can be refused here already.
+        MB_CHECK(status == CUBLAS_STATUS_SUCCESS || status == CUBLAS_STATUS_NOT_SUPPORTED ||
+                     status == CUBLAS_STATUS_INVALID_VALUE ||
+                     status == CUBLAS_STATUS_ARCH_MISMATCH,
+                 "[gemm] cublasLtMatmulAlgoGetHeuristic failed: {}",
+                 describe_refusal(cublas_status_name(status), key));
+        const char* why = status != CUBLAS_STATUS_SUCCESS ? cublas_status_name(status)
+                          : found > 0                     ? cublas_status_name(result.state)
+                                                          : "no algorithm";
+        choice.refusal = describe_refusal(why, key);
         g_not_offered.reset();
-        g_lt_refusal = describe_refusal(status == CUBLAS_STATUS_SUCCESS && found > 0
-                                            ? cublas_status_name(result.state)
-                                            : "no algorithm",
-                                        key);
+        g_lt_refusal = choice.refusal;
       }
       lt_algos().emplace(key, choice);
     }
@@ -411,9 +423,11 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
            "[gemm] cublasLtMatmul failed: {}",
            describe_refusal(cublas_status_name(status), key));
   std::lock_guard lock(g_lt_mutex);
-  lt_algos()[key].ok = false;
+  LtChoice& refused = lt_algos()[key];
+  refused.ok = false;
+  refused.refusal = describe_refusal(cublas_status_name(status), key);
   g_not_offered.reset();
-  g_lt_refusal = describe_refusal(cublas_status_name(status), key);
+  g_lt_refusal = refused.refusal;
   return false;
 }
 

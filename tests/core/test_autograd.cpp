@@ -171,6 +171,54 @@ TEST_CASE("gradients land in place in a view of a flat arena") {
                     "[set_grad] grad shape (2,) differs from tensor shape (3,)");
 }
 
+TEST_CASE("backward adds a second gradient into the first only when nothing else holds it") {
+  // Note [Summing gradients in place]. x gets two gradients: 2 from x * 2, and from `through`,
+  // a node whose backward returns a fresh tensor of `values`, which the test may also keep (a
+  // handle the engine must not write through). The node made last runs first, so its gradient is
+  // the one the other is added to.
+  std::vector<double> values;
+  for (int i = 0; i < 37; ++i) values.push_back(0.1 * i - 1.3);
+  auto run = [&](DType dt, bool through_first, bool keep, Tensor* kept) {
+    Tensor x = from_vector(std::vector<double>(values.size(), 0.7), {37},
+                           {.dtype = dt, .requires_grad = true});
+    auto through = [&](const Tensor& in) {
+      Tensor out = in.detach().clone();
+      record("through", {in}, out, [&, dt, keep, kept](const Tensor&) {
+        Tensor g = from_vector(values, {37}, {.dtype = dt});
+        if (keep) *kept = g;
+        return std::vector<Tensor>{g};
+      });
+      return out;
+    };
+    // Separate statements: the operands of + are evaluated in no set order.
+    Tensor first = through_first ? sum(through(x)) : sum(x * 2.0);
+    Tensor second = through_first ? sum(x * 2.0) : sum(through(x));
+    Tensor loss = first + second;
+    first = second = Tensor();
+    const std::int64_t before = memory_stats(kCPU).num_allocs;
+    loss.backward();
+    return std::pair{x.grad(), memory_stats(kCPU).num_allocs - before};
+  };
+  for (DType dt : {DType::f64, DType::f32, DType::f16, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    for (bool through_first : {false, true}) {
+      CAPTURE(through_first);
+      Tensor kept;
+      const auto [shared_grad, shared_allocs] = run(dt, through_first, true, &kept);
+      const auto [own_grad, own_allocs] = run(dt, through_first, false, nullptr);
+      // The kept gradient is untouched, and the sums agree bit for bit with the out-of-place one
+      // (to_vector is exact for every dtype here, and no value is NaN or -0).
+      const Tensor given = from_vector(values, {37}, {.dtype = dt});
+      CHECK(kept.to_vector() == given.to_vector());
+      CHECK(own_grad.to_vector() == shared_grad.to_vector());
+      CHECK(own_grad.to_vector() == (given + full({37}, 2.0, {.dtype = dt})).to_vector());
+      // A gradient that `through` hands over first is written in place only when the test does
+      // not keep it; one that arrives second is never the target.
+      CHECK(shared_allocs - own_allocs == (through_first ? 0 : 1));
+    }
+  }
+}
+
 // ---- graph lifetime and grad mode --------------------------------------------------------------
 
 TEST_CASE("retain_graph allows a second backward; without it a second backward throws") {
