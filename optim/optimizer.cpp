@@ -1,5 +1,7 @@
 #include "optim/optimizer.h"
 
+#include <cmath>
+
 #include "core/ops/dispatch.h"
 #include "kernels/optim.h"
 
@@ -20,11 +22,25 @@ Tensor state_tensor(const std::map<std::string, Tensor>& state, const std::strin
 }
 }  // namespace
 
+std::int64_t Optimizer::saved_step(const std::map<std::string, Tensor>& state, const char* op) {
+  auto it = state.find("step");
+  MB_CHECK(it != state.end(), "[{}] state has no 'step'", op);
+  MB_CHECK(it->second.numel() == 1, "[{}] state 'step' must hold one value, got shape {}", op,
+           shape_str(it->second.shape()));
+  const double v = it->second.item();
+  // A step of 0 in AdamW's bias correction divides by zero, and a NaN cast to int64 is undefined.
+  MB_CHECK(std::isfinite(v) && v >= 0 && v == std::floor(v) && v < 9223372036854775808.0,
+           "[{}] state 'step' must be a whole number >= 0, got {}", op, v);
+  return static_cast<std::int64_t>(v);
+}
+
 AdamW::AdamW(ParamStore& store, AdamWConfig config) : Optimizer(store), config_(config) {
   MB_CHECK(config.lr >= 0, "[AdamW] lr must be >= 0, got {}", config.lr);
   MB_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
            "[AdamW] betas must be in [0, 1), got ({}, {})", config.beta1, config.beta2);
   MB_CHECK(config.eps >= 0, "[AdamW] eps must be >= 0, got {}", config.eps);
+  MB_CHECK(config.weight_decay >= 0, "[AdamW] weight_decay must be >= 0, got {}",
+           config.weight_decay);
   const TensorOptions opts{.dtype = state_dtype(store), .device = store.weights().device()};
   exp_avg_ = zeros({store.numel()}, opts);
   exp_avg_sq_ = zeros({store.numel()}, opts);
@@ -92,13 +108,14 @@ void AdamW::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
   exp_avg_.copy_(state_tensor(state, "exp_avg", exp_avg_, "AdamW"));
   exp_avg_sq_.copy_(state_tensor(state, "exp_avg_sq", exp_avg_sq_, "AdamW"));
-  auto it = state.find("step");
-  MB_CHECK(it != state.end(), "[AdamW] state has no 'step'");
-  step_count_ = static_cast<std::int64_t>(it->second.item());
+  step_count_ = saved_step(state, "AdamW");
 }
 
 SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config) {
   MB_CHECK(config.lr >= 0, "[SGD] lr must be >= 0, got {}", config.lr);
+  MB_CHECK(config.momentum >= 0, "[SGD] momentum must be >= 0, got {}", config.momentum);
+  MB_CHECK(config.weight_decay >= 0, "[SGD] weight_decay must be >= 0, got {}",
+           config.weight_decay);
   MB_CHECK(!config.nesterov || (config.momentum > 0 && config.dampening == 0),
            "[SGD] Nesterov momentum needs momentum > 0 and dampening 0");
   if (config.momentum != 0.0) {
@@ -150,9 +167,7 @@ void SGD::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
   if (momentum_buffer_.defined())
     momentum_buffer_.copy_(state_tensor(state, "momentum_buffer", momentum_buffer_, "SGD"));
-  auto it = state.find("step");
-  MB_CHECK(it != state.end(), "[SGD] state has no 'step'");
-  step_count_ = static_cast<std::int64_t>(it->second.item());
+  step_count_ = saved_step(state, "SGD");
 }
 
 }  // namespace microbatch::optim

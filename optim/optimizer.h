@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "kernels/optim.h"
@@ -34,6 +35,13 @@ class Optimizer {
   void zero_grad() { store_.zero_grad(); }
   virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
+  /// The lr before any schedule (torch's param_group["initial_lr"]): lr() when first asked, which
+  /// the first LRScheduler does, so that a later scheduler of the same optimizer starts from it
+  /// and not from the lr an earlier schedule left.
+  double initial_lr() {
+    if (!initial_lr_) initial_lr_ = lr();
+    return *initial_lr_;
+  }
   /// Steps actually taken.
   std::int64_t step_count() const { return step_count_; }
   /// The state (moments, step count) as named tensors, for checkpoints.
@@ -42,8 +50,13 @@ class Optimizer {
   ParamStore& store() { return store_; }
 
  protected:
+  /// The step count in a state_dict: a whole number >= 0, read from a checkpoint (`op` names the
+  /// optimizer in the error).
+  static std::int64_t saved_step(const std::map<std::string, Tensor>& state, const char* op);
+
   ParamStore& store_;
   std::int64_t step_count_ = 0;
+  std::optional<double> initial_lr_;
 };
 
 /// torch.optim.AdamW defaults.

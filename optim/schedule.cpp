@@ -43,7 +43,7 @@ double lr_multiplier(const ScheduleConfig& c, std::int64_t step) {
 }
 
 LRScheduler::LRScheduler(Optimizer& optimizer, ScheduleConfig config)
-    : optimizer_(optimizer), config_(config), base_lr_(optimizer.lr()) {
+    : optimizer_(optimizer), config_(config), base_lr_(optimizer.initial_lr()) {
   MB_CHECK(config.warmup_steps >= 0, "[LRScheduler] warmup_steps must be >= 0, got {}", config.warmup_steps);
   MB_CHECK(config.type == ScheduleType::Constant || config.type == ScheduleType::ConstantWithWarmup ||
                config.total_steps > 0,
@@ -70,8 +70,15 @@ void LRScheduler::load_state_dict(const std::map<std::string, Tensor>& state) {
   auto steps = state.find("steps");
   auto base = state.find("base_lr");
   MB_CHECK(steps != state.end() && base != state.end(), "[LRScheduler] state needs 'steps' and 'base_lr'");
-  base_lr_ = base->second.item();
-  set_steps(static_cast<std::int64_t>(steps->second.item()));
+  MB_CHECK(steps->second.numel() == 1 && base->second.numel() == 1,
+           "[LRScheduler] state 'steps' and 'base_lr' must hold one value each");
+  const double n = steps->second.item(), lr = base->second.item();
+  MB_CHECK(std::isfinite(n) && n >= 0 && n == std::floor(n) && n < 9223372036854775808.0,
+           "[LRScheduler] state 'steps' must be a whole number >= 0, got {}", n);
+  MB_CHECK(std::isfinite(lr) && lr >= 0, "[LRScheduler] state 'base_lr' must be a finite lr >= 0, got {}",
+           lr);
+  base_lr_ = lr;
+  set_steps(static_cast<std::int64_t>(n));
 }
 
 }  // namespace microbatch::optim

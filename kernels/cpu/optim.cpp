@@ -27,6 +27,9 @@ void adamw(const StridedView& params, const StridedView& grads, const StridedVie
       C* v = exp_avg_sq.ptr<C>();
       const C lr = static_cast<C>(a.lr), b1 = static_cast<C>(a.beta1), b2 = static_cast<C>(a.beta2);
       const C eps = static_cast<C>(a.eps), scale = static_cast<C>(a.grad_scale);
+      // 1 - beta in double, then rounded, as torch's alpha = 1 - beta1 and value = 1 - beta2 (a
+      // 1 - beta2 of f32 operands is 0.00099998713 for 0.999, and biases every v by 1.3e-5).
+      const C one_minus_b1 = static_cast<C>(1.0 - a.beta1), one_minus_b2 = static_cast<C>(1.0 - a.beta2);
       const C decay = static_cast<C>(1.0 - a.lr * a.weight_decay);
       const double bias1 = 1.0 - std::pow(a.beta1, static_cast<double>(a.step));
       const double bias2 = 1.0 - std::pow(a.beta2, static_cast<double>(a.step));
@@ -38,8 +41,8 @@ void adamw(const StridedView& params, const StridedView& grads, const StridedVie
         const C grad = static_cast<C>(static_cast<compute_t<G>>(g[i])) * scale;
         C w = static_cast<C>(static_cast<compute_t<P>>(p[i]));
         if (i < a.decay_end) w *= decay;  // decoupled decay first, as torch.optim.AdamW
-        m[i] = b1 * m[i] + (C(1) - b1) * grad;
-        v[i] = b2 * v[i] + (C(1) - b2) * grad * grad;
+        m[i] = b1 * m[i] + one_minus_b1 * grad;
+        v[i] = b2 * v[i] + one_minus_b2 * grad * grad;
         const C denom = std::sqrt(v[i]) / bias2_sqrt + eps;
         w -= step_size * m[i] / denom;
         p[i] = static_cast<P>(w);
@@ -58,7 +61,8 @@ void sgd(const StridedView& params, const StridedView& grads, const StridedView&
       const G* g = grads.ptr<G>();
       C* buf = momentum_buffer.ptr<C>();
       const C lr = static_cast<C>(a.lr), mom = static_cast<C>(a.momentum);
-      const C damp = static_cast<C>(a.dampening), wd = static_cast<C>(a.weight_decay);
+      // 1 - dampening in double, then rounded, as torch's alpha = 1 - dampening.
+      const C one_minus_damp = static_cast<C>(1.0 - a.dampening), wd = static_cast<C>(a.weight_decay);
       const C scale = static_cast<C>(a.grad_scale);
       const std::int64_t n = params.numel();
       for (std::int64_t i = 0; i < n; ++i) {
@@ -66,7 +70,7 @@ void sgd(const StridedView& params, const StridedView& grads, const StridedView&
         C d = static_cast<C>(static_cast<compute_t<G>>(g[i])) * scale;
         if (i < a.decay_end) d += wd * w;
         if (a.momentum != 0.0) {
-          buf[i] = a.first_step ? d : mom * buf[i] + (C(1) - damp) * d;
+          buf[i] = a.first_step ? d : mom * buf[i] + one_minus_damp * d;
           d = a.nesterov ? d + mom * buf[i] : buf[i];
         }
         p[i] = static_cast<P>(w - lr * d);

@@ -34,8 +34,8 @@ AdamWCoeffs<C> adamw_coeffs(const AdamWArgs& a) {
   AdamWCoeffs<C> k;
   k.beta1 = static_cast<C>(a.beta1);
   k.beta2 = static_cast<C>(a.beta2);
-  k.one_minus_beta1 = C(1) - k.beta1;
-  k.one_minus_beta2 = C(1) - k.beta2;
+  k.one_minus_beta1 = static_cast<C>(1.0 - a.beta1);  // as cpu::adamw: in double, then rounded
+  k.one_minus_beta2 = static_cast<C>(1.0 - a.beta2);
   k.eps = static_cast<C>(a.eps);
   k.decay = static_cast<C>(1.0 - a.lr * a.weight_decay);
   k.step_size = static_cast<C>(a.lr / (1.0 - std::pow(a.beta1, static_cast<double>(a.step))));
@@ -262,7 +262,7 @@ void sgd(const StridedView& params, const StridedView& grads, const StridedView&
         } else {
           SGDCoeffs<C> k{.lr = static_cast<C>(args.lr),
                          .momentum = static_cast<C>(args.momentum),
-                         .one_minus_dampening = C(1) - static_cast<C>(args.dampening),
+                         .one_minus_dampening = static_cast<C>(1.0 - args.dampening),
                          .weight_decay = static_cast<C>(args.weight_decay),
                          .use_momentum = args.momentum != 0.0,
                          .nesterov = args.nesterov,

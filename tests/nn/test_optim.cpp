@@ -128,3 +128,105 @@ TEST_CASE("LRScheduler state_dict restores the position and the learning rate") 
   CHECK(opt2.lr() == opt.lr());
   check_throws_with([&] { again.load_state_dict({}); }, "[LRScheduler] state needs");
 }
+
+namespace {
+// One f32 parameter of two elements, for the rounding of f32 steps.
+class Pair32 : public nn::Module {
+ public:
+  Pair32() {
+    w = from_vector({0.5, -1.0}, {2}, {.dtype = DType::f32});
+    register_parameter("w", &w);
+  }
+  Tensor w;
+};
+}  // namespace
+
+TEST_CASE("f32 optimizers round 1 - beta and 1 - dampening as torch does") {
+  // torch.optim passes alpha = 1 - beta1, value = 1 - beta2 and alpha = 1 - dampening as Python
+  // floats: computed in double, rounded once to f32. Rounding beta first and subtracting in f32
+  // gives 1 - 0.999f = 0.00099998713 instead of 0.001f, a 1.3e-5 bias in every exp_avg_sq.
+  {
+    Pair32 m;
+    optim::ParamStore store(m);
+    optim::AdamW opt(store, {.lr = 1.0, .weight_decay = 0.0});
+    Tensor(store.grads()).copy_(from_vector({1.0, -2.0}, {2}, {.dtype = DType::f32}));
+    opt.step();  // from zero moments: m = (1 - b1) g, v = (1 - b2) g^2, each rounded to f32
+    const auto state = opt.state_dict();
+    const float a1 = static_cast<float>(1.0 - 0.9), a2 = static_cast<float>(1.0 - 0.999);
+    CHECK(state.at("exp_avg").to_vector() ==
+          std::vector<double>{a1 * 1.0f, a1 * -2.0f});
+    CHECK(state.at("exp_avg_sq").to_vector() ==
+          std::vector<double>{a2 * 1.0f * 1.0f, a2 * -2.0f * -2.0f});
+  }
+  {
+    Pair32 m;
+    optim::ParamStore store(m);
+    optim::SGD opt(store, {.lr = 1.0, .momentum = 0.5, .dampening = 0.99});
+    // buf = g1, then 0.5 buf + (1 - 0.99) g2; a small g1 keeps the second term's bits visible.
+    for (double g : {0.0009765625, 1.0}) {
+      Tensor(store.grads()).copy_(from_vector({g, g}, {2}, {.dtype = DType::f32}));
+      opt.step();
+    }
+    const float buf = 0.5f * 0.0009765625f + static_cast<float>(1.0 - 0.99) * 1.0f;
+    CHECK(opt.state_dict().at("momentum_buffer").to_vector() == std::vector<double>{buf, buf});
+  }
+}
+
+TEST_CASE("optimizers refuse the hyperparameters torch.optim refuses") {
+  Tiny m;
+  optim::ParamStore store(m);
+  check_throws_with([&] { optim::AdamW(store, {.weight_decay = -0.1}); },
+                    "[AdamW] weight_decay must be >= 0, got -0.1");
+  check_throws_with([&] { optim::AdamW(store, {.weight_decay = std::nan("")}); },
+                    "[AdamW] weight_decay must be >= 0");
+  check_throws_with([&] { optim::SGD(store, {.momentum = -0.5}); },
+                    "[SGD] momentum must be >= 0, got -0.5");
+  check_throws_with([&] { optim::SGD(store, {.weight_decay = -0.1}); },
+                    "[SGD] weight_decay must be >= 0, got -0.1");
+}
+
+TEST_CASE("an optimizer state's step must be a whole number >= 0") {
+  Tiny m;
+  optim::ParamStore store(m);
+  optim::AdamW adamw(store);
+  optim::SGD sgd(store, {.momentum = 0.9});
+  for (optim::Optimizer* opt : {static_cast<optim::Optimizer*>(&adamw),
+                                static_cast<optim::Optimizer*>(&sgd)}) {
+    const std::string name = opt == &adamw ? "AdamW" : "SGD";
+    CAPTURE(name);
+    auto state = opt->state_dict();
+    for (double bad : {-1.0, 0.5, std::nan(""), 1e300}) {
+      CAPTURE(bad);
+      state["step"] = scalar_tensor(bad, {.dtype = DType::f64});
+      check_throws_with([&] { opt->load_state_dict(state); },
+                        "[" + name + "] state 'step' must be a whole number >= 0");
+    }
+    state["step"] = from_vector({1, 2}, {2}, {.dtype = DType::i64});
+    check_throws_with([&] { opt->load_state_dict(state); }, "must hold one value");
+    state["step"] = scalar_tensor(7, {.dtype = DType::i64});
+    opt->load_state_dict(state);
+    CHECK(opt->step_count() == 7);
+  }
+}
+
+TEST_CASE("a second LRScheduler starts from the optimizer's initial lr, as torch's initial_lr") {
+  Tiny m;
+  optim::ParamStore store(m);
+  optim::AdamW opt(store, {.lr = 0.1});
+  optim::LRScheduler warm(opt, {.type = optim::ScheduleType::Linear, .warmup_steps = 5,
+                                .total_steps = 10});
+  CHECK(opt.lr() == 0.0);  // step 0 of the warm-up
+  optim::LRScheduler cosine(opt, {.type = optim::ScheduleType::Cosine, .total_steps = 10});
+  CHECK(opt.lr() == 0.1);
+  for (int i = 0; i < 3; ++i) cosine.step();
+  CHECK(opt.lr() == doctest::Approx(0.1 * 0.5 * (1.0 + std::cos(M_PI * 0.3))));
+
+  auto state = cosine.state_dict();
+  state["steps"] = scalar_tensor(-5, {.dtype = DType::i64});
+  check_throws_with([&] { cosine.load_state_dict(state); },
+                    "[LRScheduler] state 'steps' must be a whole number >= 0, got -5");
+  state = cosine.state_dict();
+  state["base_lr"] = scalar_tensor(-0.1, {.dtype = DType::f64});
+  check_throws_with([&] { cosine.load_state_dict(state); },
+                    "[LRScheduler] state 'base_lr' must be a finite lr >= 0, got -0.1");
+}

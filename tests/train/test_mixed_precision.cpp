@@ -105,8 +105,8 @@ TEST_CASE("the fused boundary step matches a per-tensor reference bitwise for 7 
         const float grad = static_cast<float>(gv[e.offset + i]) * static_cast<float>(static_cast<double>(inv_scale) * clip);
         float w = p[i];
         if (decay) w *= static_cast<float>(1.0 - cfg.lr * cfg.weight_decay);
-        m1[i] = 0.9f * m1[i] + (1.0f - 0.9f) * grad;
-        m2[i] = 0.999f * m2[i] + (1.0f - 0.999f) * grad * grad;
+        m1[i] = 0.9f * m1[i] + static_cast<float>(1.0 - 0.9) * grad;  // torch's alpha = 1 - beta1
+        m2[i] = 0.999f * m2[i] + static_cast<float>(1.0 - 0.999) * grad * grad;
         w -= step_size * m1[i] / (std::sqrt(m2[i]) / bias2_sqrt + 1e-8f);
         p[i] = w;
       }
