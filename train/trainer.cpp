@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <set>
 
@@ -192,6 +193,38 @@ struct BudgetGuard {
   std::optional<std::size_t> previous;
 };
 
+// Note [Non-finite losses]: one window whose loss is NaN or inf (an inf input under fp16, say: the
+// loss scaler skips its step) would make the running total NaN for good: every later log line's
+// loss, the training loss and every later checkpoint's loss_sum. With logging_nan_inf_filter (on
+// by default, as in Hugging Face's TrainingArguments), such a window adds in its place what
+// Hugging Face's Trainer adds, tr_loss / (1 + global_step - globalstep_last_logged): the total's
+// growth since the last log line over the windows it holds, plus one (0 for the first window after
+// a line). Hugging Face applies the rule to each micro-batch's loss; here it applies to the
+// window's weighted sum, the unit that is logged and saved: the same when a window is one
+// micro-batch. On a device the test and the stand-in are kernels (`where`), so the host still never
+// waits between log lines. With the filter off the total stays NaN, as in Hugging Face; a
+// checkpoint then writes its loss sums as "NaN", "Infinity" or "-Infinity" (Python json's
+// spellings: JSON has no such numbers, and a null would not read back), so that it resumes as the
+// uninterrupted run would go on. A checkpoint also keeps where its logging window began
+// (logged_step, logged_loss_sum): a resumed run's log lines, and its stand-ins, are those of the
+// uninterrupted run.
+nlohmann::json loss_to_json(double v) {
+  if (std::isfinite(v)) return v;
+  if (std::isnan(v)) return "NaN";
+  return v > 0 ? "Infinity" : "-Infinity";
+}
+
+// A loss sum from trainer_state.json, as loss_to_json writes it; nullopt for anything else.
+std::optional<double> loss_from_json(const nlohmann::json& v) {
+  if (v.is_number()) return v.get<double>();
+  if (!v.is_string()) return std::nullopt;
+  const std::string& text = v.get_ref<const std::string&>();
+  if (text == "NaN") return std::numeric_limits<double>::quiet_NaN();
+  if (text == "Infinity") return std::numeric_limits<double>::infinity();
+  if (text == "-Infinity") return -std::numeric_limits<double>::infinity();
+  return std::nullopt;
+}
+
 // A running sum of weighted losses (Note [Training on a device]). On a GPU it is a device scalar:
 // adding launches kernels and never waits, and value() is the one read. On the CPU it is a host
 // double: reading a loss there costs nothing, and the step allocates nothing the planner did not
@@ -209,15 +242,32 @@ class LossSum {
     if (weight != 1.0) term = term * weight;
     add_term(term);
   }
-  /// sum += other's sum.
-  void add(const LossSum& other) {
-    if (device_.is_cpu()) {
-      host_ += other.host_;
-    } else if (other.device_sum_.defined()) {
-      add_term(other.device_sum_);
-    } else {
-      host_ += other.host_;
+  /// sum += a window's sum. With `filter`, a window sum that is NaN or inf adds (sum - logged) /
+  /// (1 + windows) instead: the growth since the last log line over the windows it holds, plus
+  /// one (Note [Non-finite losses]).
+  void add_window(const LossSum& window, bool filter, double logged, std::int64_t windows) {
+    const double count = 1.0 + static_cast<double>(windows);
+    if (device_.is_cpu() || !window.device_sum_.defined()) {
+      // On the CPU, or a window with no device terms (on a device every window has some).
+      double term = window.host_;
+      if (filter && !std::isfinite(term)) term = (value() - logged) / count;
+      host_ += term;
+      return;
     }
+    if (!filter) {
+      add_term(window.device_sum_);
+      return;
+    }
+    // On the device the test and the stand-in are kernels too, so nothing waits: the stand-in is
+    // computed every window and `where` keeps the window's own sum whenever it is finite.
+    if (!device_sum_.defined()) {
+      device_sum_ = scalar_tensor(host_, {.dtype = DType::f64, .device = device_});
+      host_ = 0.0;
+    }
+    const Tensor& term = window.device_sum_;
+    const Tensor finite = lt(abs(term), scalar_tensor(std::numeric_limits<double>::infinity(),
+                                                      {.dtype = DType::f64, .device = device_}));
+    device_sum_ = device_sum_ + where(finite, term, (device_sum_ - logged) / count);
   }
   /// The sum (waits for the device).
   double value() const { return device_sum_.defined() ? host_ + device_sum_.item() : host_; }
@@ -318,7 +368,8 @@ TrainOutput Trainer::train() {
                                        .total_steps = total_steps});
 
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
-  double loss_sum = 0.0;
+  double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
+  std::int64_t logged_at = 0;               // the step of the last log line
   if (!args_.resume_from_checkpoint.empty()) {
     std::optional<ResumePoint> point;
     if (args_.resume_from_checkpoint == "latest") {
@@ -353,11 +404,27 @@ TrainOutput Trainer::train() {
                        saved_tokens = count("tokens"), saved_scheduler = count("scheduler_steps"),
                        saved_skipped = st.contains("skipped_steps") ? count("skipped_steps") : 0;
     const std::uint64_t rng_seed = word("rng_seed"), rng_offset = word("rng_offset");
-    MB_CHECK(st.contains("loss_sum") && st.at("loss_sum").is_number(),
-             "[Trainer] {}: 'loss_sum' must be a number", state_file);
+    // Loss sums are numbers, or the spellings of NaN and inf (Note [Non-finite losses]).
+    auto loss = [&](const char* name) -> double {
+      const std::optional<double> v =
+          st.contains(name) ? loss_from_json(st.at(name)) : std::nullopt;
+      MB_CHECK(v.has_value(),
+               "[Trainer] {}: '{}' must be a number, or \"NaN\", \"Infinity\" or \"-Infinity\"",
+               state_file, name);
+      return *v;
+    };
+    const double saved_loss = loss("loss_sum");
+    // Where the checkpoint's logging window began; a checkpoint without it starts a new one.
+    const std::int64_t saved_logged_at =
+        st.contains("logged_step") ? count("logged_step") : saved_step;
+    const double saved_logged_sum =
+        st.contains("logged_step") ? loss("logged_loss_sum") : saved_loss;
     MB_CHECK(saved_scheduler <= saved_step && saved_skipped <= saved_step,
              "[Trainer] {}: {} schedule steps and {} skipped steps in {} optimizer steps", state_file,
              saved_scheduler, saved_skipped, saved_step);
+    MB_CHECK(saved_logged_at <= saved_step,
+             "[Trainer] {}: 'logged_step' {} is past 'global_step' {}", state_file, saved_logged_at,
+             saved_step);
     // Note [Resuming the same run]: the checkpoint's window counts batches of its own effective
     // batch, drawn in its own seed's order from its own training set; with any of them changed, the
     // resumed run would repeat or skip examples without a word. Refuse, naming what differs.
@@ -395,13 +462,26 @@ TrainOutput Trainer::train() {
     } catch (const nlohmann::json::exception& e) {
       MB_CHECK(false, "[Trainer] {}: the loss scaler's state is malformed: {}", state_file, e.what());
     }
+    // Every window a checkpoint counts either updated the weights once or was skipped and changed
+    // nothing (Note [Stopping at the loss-scale floor] keeps it so at the floor too), so the
+    // optimizer has taken global_step - skipped_steps steps. Any other count is another run's
+    // state, and AdamW's bias correction would be off by the difference.
+    const std::int64_t updates = saved_step - saved_skipped;
+    MB_CHECK(
+        adamw.step_count() == updates,
+        "[Trainer] cannot resume from {}: the optimizer state in {} has taken {} steps, but {} "
+        "counts {} ({} global steps less {} skipped)",
+        point->path, (fs::path(point->path) / kCheckpointOptimizerFile).string(),
+        adamw.step_count(), state_file, updates, saved_step, saved_skipped);
     skipped = saved_skipped;
     step = saved_step;
     epoch = saved_epoch;
     window = saved_window;
     samples = saved_samples;
     tokens = saved_tokens;
-    loss_sum = st.at("loss_sum").get<double>();
+    loss_sum = saved_loss;
+    logged_sum = saved_logged_sum;
+    logged_at = saved_logged_at;
     scheduler.set_steps(saved_scheduler);
     default_generator().set_state({rng_seed, rng_offset});
     const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
@@ -416,8 +496,8 @@ TrainOutput Trainer::train() {
   LossSum loss_total(device_, loss_sum);  // of every window's loss (Note [Training on a device])
   // A log line reports the mean loss of the steps since the previous line, as Hugging Face's
   // Trainer logs tr_loss: the total's growth since then over the steps since then.
-  double logged_total = loss_sum;
-  std::int64_t logged_step = step;
+  double logged_total = logged_sum;
+  std::int64_t logged_step = logged_at;
 
   // The boundary step runs here or is queued on the device (Note [Boundary step on the device] in
   // optim/boundary_step.h); its outcomes reach take_outcome once the host knows them.
@@ -425,34 +505,65 @@ TrainOutput Trainer::train() {
                                {.max_grad_norm = args_.max_grad_norm});
   std::function<void(const optim::StepOutcome&)> take_outcome;
 
-  auto save = [&] {
+  // Writes a checkpoint of the counted windows and returns its path; `rng` is the random stream to
+  // save when the current one has moved past them (Note [Stopping at the loss-scale floor]).
+  auto save = [&](std::optional<GeneratorState> rng = std::nullopt) {
     for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // a checkpoint is settled state
     CheckpointData data;
     for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
     for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
-    const GeneratorState rng = default_generator().state();
-    data.trainer_state = {{"global_step", step}, {"epoch", epoch}, {"window", window}, {"samples", samples},
-                          {"tokens", tokens}, {"loss_sum", loss_total.value()}, {"scheduler_steps", scheduler.steps()},
-                          {"rng_seed", rng.seed}, {"rng_offset", rng.offset}, {"plan", plan_.to_json()},
-                          {"args", args_.to_json()}, {"skipped_steps", skipped},
+    if (!rng) rng = default_generator().state();
+    data.trainer_state = {{"global_step", step},
+                          {"epoch", epoch},
+                          {"window", window},
+                          {"samples", samples},
+                          {"tokens", tokens},
+                          {"loss_sum", loss_to_json(loss_total.value())},
+                          {"logged_step", logged_step},
+                          {"logged_loss_sum", loss_to_json(logged_total)},
+                          {"scheduler_steps", scheduler.steps()},
+                          {"rng_seed", rng->seed},
+                          {"rng_offset", rng->offset},
+                          {"plan", plan_.to_json()},
+                          {"args", args_.to_json()},
+                          {"skipped_steps", skipped},
                           {"train_examples", train_set_.size()}};
     if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
     const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
     log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
     log_file.flush();
+    return path;
+  };
+  // Note [Stopping at the loss-scale floor]: after max_overflows_at_floor overflows at the floor
+  // the run saves its last good state and stops. That checkpoint counts the window whose overflow
+  // stopped the run as its loss scaler's state counts it, as a step and a skipped one, so that
+  // global_step - skipped_steps is still AdamW's step count (checked on resume) and it resumes. On
+  // the CPU the outcome is known at the window's own boundary, before the window is counted: the
+  // run stops once it is (floor_stop). On CUDA it is known a boundary late, once the window is
+  // counted and the next one has run its micro-batches: that one is not counted, and the random
+  // stream it moved is saved as it was at its start (window_rng), as a checkpoint at that step
+  // holds it. Either way the weights and moments are those of the last step taken.
+  std::optional<GeneratorState> window_rng;  // the stream at the start of the window in progress
+  std::optional<optim::StepOutcome> floor_stop;  // the window in progress, to stop once counted
+  auto stop_at_floor = [&](const optim::StepOutcome& o) {
+    const std::string path = save(window_rng);
+    MB_CHECK(false,
+             "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
+             o.floor_error, o.first_non_finite, path);
   };
   take_outcome = [&](const optim::StepOutcome& o) {
     if (!o.skipped) return;
     ++skipped;  // no weight, moment, optimizer step or schedule step moved
-    if (!o.floor_error.empty()) {
-      save();  // the last good state: overflowing windows changed nothing
-      MB_CHECK(false, "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
-               o.floor_error, o.first_non_finite, args_.output_dir);
-    }
     nlohmann::json event{{"event", "skipped_step"}, {"step", o.step}, {"loss_scale", o.loss_scale},
                          {"first_non_finite", o.first_non_finite}};
     log_file << event.dump() << "\n";
     log_file.flush();
+    if (o.floor_error.empty()) return;
+    if (o.step > step) {
+      floor_stop = o;
+    } else {
+      stop_at_floor(o);
+    }
   };
   std::int64_t carried_peak = 0;  // the training peak since the last log line, kept across evaluations
   auto evaluate_now = [&] {
@@ -511,6 +622,7 @@ TrainOutput Trainer::train() {
       if (args_.save_strategy == "epoch") save();
       continue;
     }
+    window_rng = default_generator().state();
     const std::vector<std::int64_t> indices = loader.batch_indices(window);
     std::vector<Chunk> chunks;
     if (token_budget > 0) {
@@ -608,11 +720,16 @@ TrainOutput Trainer::train() {
                                            .non_finite = current && current->skipped};
     const double lr = current ? current->lr : adamw.lr();
     store.zero_grad();
+    // Before the step moves: step - logged_step is the windows since the last line, this one not
+    // among them (Note [Non-finite losses]).
+    loss_total.add_window(window_loss, args_.logging_nan_inf_filter, logged_total,
+                          step - logged_step);
     ++step;
     ++window;
     samples += static_cast<std::int64_t>(indices.size());
     tokens += window_tokens;
-    loss_total.add(window_loss);
+    window_rng.reset();
+    if (floor_stop) stop_at_floor(*floor_stop);  // this window, now counted
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
       MemoryStats stats = memory_stats(device_);

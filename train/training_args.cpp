@@ -178,6 +178,7 @@ nlohmann::json TrainingArguments::to_json() const {
   j["warmup_steps"] = warmup_steps;
   j["warmup_ratio"] = warmup_ratio;
   j["logging_steps"] = logging_steps;
+  j["logging_nan_inf_filter"] = logging_nan_inf_filter;
   j["eval_strategy"] = eval_strategy;
   j["eval_steps"] = eval_steps;
   j["save_strategy"] = save_strategy;
@@ -265,6 +266,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("warmup_steps", a.warmup_steps);
   get("warmup_ratio", a.warmup_ratio);
   get("logging_steps", a.logging_steps);
+  get("logging_nan_inf_filter", a.logging_nan_inf_filter);
   get("eval_strategy", a.eval_strategy);
   get("eval_steps", a.eval_steps);
   get("save_strategy", a.save_strategy);

@@ -37,6 +37,9 @@ struct TrainingArguments {
   std::int64_t warmup_steps = 0;
   double warmup_ratio = 0.0;                     // used when warmup_steps == 0
   std::int64_t logging_steps = 500;              // counts optimizer steps, as every *_steps
+  /// A window whose loss is NaN or inf counts, in its place, the logging window's loss so far over
+  /// 1 + its windows (Hugging Face's rule), so that logged losses and loss sums stay finite.
+  bool logging_nan_inf_filter = true;
   std::string eval_strategy = "no";              // no, steps, epoch
   std::int64_t eval_steps = 0;                   // for eval_strategy = steps (0: logging_steps)
   std::string save_strategy = "no";              // no, steps, epoch

@@ -189,6 +189,56 @@ TEST_CASE("a poisoned sample ends at the loss-scale floor with a clear error and
   check_close(state.model.at("net.1.weight"), w0.to(DType::f32), 1e-3, 1e-3, "weights unchanged");
 }
 
+TEST_CASE("the last good state saved at the loss-scale floor counts its windows and resumes") {
+  // The poisoned run above: 19 windows overflow, the 19th stops the run. Its checkpoint counts that
+  // window as a step and a skipped one, as its scaler state does (Note [Stopping at the loss-scale
+  // floor]): 19 steps, 19 skipped, no update.
+  manual_seed(6);
+  Tensor x = rand({64, 28, 28});
+  const Tensor clean_x = x.clone();
+  {
+    NoGradGuard no_grad;
+    x.select(0, 0).fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  Tensor y = (rand({64}) * 10.0).to(DType::i64);
+  train::TensorDataset poisoned(x, y), clean(clean_x, y);
+  TempDir dir;
+  train::TrainingArguments args{.output_dir = dir.path.string(), .per_device_train_batch_size = 64,
+                                .max_steps = 25, .learning_rate = 1e-3, .logging_steps = 1,
+                                .save_strategy = "steps", .save_steps = 1000, .fp16 = true,
+                                .loss_scale_floor = 1.0, .max_overflows_at_floor = 3,
+                                .use_cpu = true};
+  auto train_on = [&](const train::TrainingArguments& a, const train::Dataset& data) {
+    std::ostringstream sink;
+    train::Trainer trainer(
+        [] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {32}}); }, a, data);
+    trainer.set_log_stream(&sink);
+    return trainer.train();
+  };
+  const std::string saved = (dir.path / "checkpoint-19").string();
+  check_throws_with([&] { train_on(args, poisoned); }, "the last good state is saved in " + saved);
+  const train::CheckpointData state = train::load_checkpoint(saved);
+  CHECK(state.trainer_state["global_step"] == 19);
+  CHECK(state.trainer_state["skipped_steps"] == 19);
+  CHECK(state.trainer_state["scaler"]["skipped_steps"] == 19);
+  CHECK(state.trainer_state["scheduler_steps"] == 0);
+  CHECK(state.optimizer.at("step").item() == 0);
+  CHECK(state.trainer_state["loss_sum"].is_number());  // NaN losses filtered out
+
+  // It resumes. On the same data the scaler's state, three overflows at the floor, stops the run
+  // at its next overflow, one window on.
+  args.resume_from_checkpoint = saved;
+  check_throws_with([&] { train_on(args, poisoned); },
+                    "the last good state is saved in " + (dir.path / "checkpoint-20").string());
+  // With the sample fixed (the same size and order), the run goes on from the last good state.
+  const train::TrainOutput out = train_on(args, clean);
+  CHECK(out.global_step == 25);
+  CHECK(out.skipped_steps == 19);
+  const train::CheckpointData end = train::load_checkpoint((dir.path / "checkpoint-25").string());
+  CHECK(end.optimizer.at("step").item() == 6);
+  CHECK(end.trainer_state["scheduler_steps"] == 6);
+}
+
 TEST_CASE("16-bit gradient accumulators are selectable and the planner charges them") {
   manual_seed(8);
   train::TensorDataset data(rand({64, 28, 28}), (rand({64}) * 10.0).to(DType::i64));

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -306,6 +307,223 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   check_throws_with([&] { resume_with("epoch", 1.5); }, "'epoch' must be a whole number >= 0, got 1.5");
   check_throws_with([&] { resume_with("scheduler_steps", 100); }, "100 schedule steps and 0 skipped steps in 2");
   check_throws_with([&] { resume_with("args", nlohmann::json::array({1})); }, "'args' must be a JSON object");
+  check_throws_with([&] { resume_with("loss_sum", "nan"); },
+                    "'loss_sum' must be a number, or \"NaN\", \"Infinity\" or \"-Infinity\"");
+  check_throws_with([&] { resume_with("logged_step", 3); },
+                    "'logged_step' 3 is past 'global_step' 2");
+}
+
+TEST_CASE("Trainer: an optimizer step count that disagrees with the trainer state is refused") {
+  // Every window a checkpoint counts updated the weights once or was skipped: AdamW has taken
+  // global_step - skipped_steps steps. A checkpoint that says otherwise is refused, by file.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1);
+  TrainingArguments a = small_run(dir.path / "run");
+  a.max_steps = 2;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  quiet_train(a, train_set);
+  const CheckpointData good = load_checkpoint((dir.path / "run" / "checkpoint-2").string());
+  REQUIRE(good.optimizer.at("step").item() == 2);
+  // The error of resuming from `edited` (rewritten whole, CRCs included), "" when it resumes.
+  auto resume_error = [&](const std::string& name, const CheckpointData& edited) -> std::string {
+    const fs::path out = dir.path / name;
+    TrainingArguments b = small_run(out);
+    b.max_steps = 4;
+    b.resume_from_checkpoint = save_checkpoint(out.string(), 2, edited, 0);
+    try {
+      quiet_train(b, train_set);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  auto optimizer_file = [&](const std::string& name) {
+    return (dir.path / name / "checkpoint-2" / "optimizer.safetensors").string();
+  };
+  CheckpointData behind = good;  // the optimizer a step behind its trainer state
+  behind.optimizer["step"] = scalar_tensor(1, {.dtype = DType::i64});
+  std::string error = resume_error("behind", behind);
+  CHECK_MESSAGE(error.find("the optimizer state in " + optimizer_file("behind") +
+                           " has taken 1 steps") != std::string::npos,
+                error);
+  CHECK_MESSAGE(error.find("counts 2 (2 global steps less 0 skipped)") != std::string::npos, error);
+  CheckpointData skipped = good;  // a trainer state that says one of its two windows was skipped
+  skipped.trainer_state["skipped_steps"] = 1;
+  error = resume_error("skipped", skipped);
+  CHECK_MESSAGE(error.find("the optimizer state in " + optimizer_file("skipped") +
+                           " has taken 2 steps") != std::string::npos,
+                error);
+  CHECK_MESSAGE(error.find("counts 1 (2 global steps less 1 skipped)") != std::string::npos, error);
+  CHECK(resume_error("good", good).empty());  // the checkpoint as it was written resumes
+}
+
+namespace {
+// 64 images, image 5 all +inf: in windows of 16, the window that holds it has a loss that is not
+// finite once an epoch (and a gradient that is not: its step is skipped).
+TensorDataset images_with_an_inf() {
+  manual_seed(6);
+  Tensor x = rand({64, 28, 28});
+  {
+    NoGradGuard no_grad;
+    x.select(0, 5).fill_(std::numeric_limits<double>::infinity());
+  }
+  Tensor y = (rand({64}) * 10.0).to(DType::i64);
+  return TensorDataset(x, y);
+}
+
+TrainingArguments inf_run(const fs::path& dir, std::int64_t logging_steps) {
+  return {.output_dir = dir.string(),
+          .per_device_train_batch_size = 16,
+          .max_steps = 12,
+          .learning_rate = 1e-3,
+          .logging_steps = logging_steps,
+          .save_strategy = "steps",
+          .save_steps = 2,
+          .fp16 = true,
+          .use_cpu = true};
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+}  // namespace
+
+TEST_CASE(
+    "Trainer: a non-finite window loss is filtered as Hugging Face's logging_nan_inf_filter does") {
+  const TensorDataset data = images_with_an_inf();
+  TempDir dir;
+  // Each window's loss, from a run that logs every window: a filtered window logs 0 there, as in
+  // Hugging Face (the logging window before it is empty).
+  quiet_train(inf_run(dir.path / "each", 1), data);
+  const std::vector<nlohmann::json> each = step_lines(dir.path / "each");
+  REQUIRE(each.size() == 12);
+  std::set<std::int64_t> skipped_windows;
+  for (auto& l : read_log(dir.path / "each"))
+    if (l.value("event", "") == "skipped_step")
+      skipped_windows.insert(l["step"].get<std::int64_t>());
+  std::vector<bool> bad;
+  for (auto& l : each) {
+    REQUIRE_MESSAGE(l["loss"].is_number(), l.dump());
+    bad.push_back(l["loss"].get<double>() == 0.0);
+    if (bad.back()) CHECK(skipped_windows.count(l["step"].get<std::int64_t>()) == 1);
+  }
+  REQUIRE(std::count(bad.begin(), bad.end(), true) >= 2);
+
+  // Logged every 3 windows, a filtered window adds tr_loss / (1 + windows since the last line).
+  const fs::path straight = dir.path / "straight";
+  const TrainOutput out = quiet_train(inf_run(straight, 3), data);
+  const std::vector<nlohmann::json> lines = step_lines(straight);
+  REQUIRE(lines.size() == 4);
+  double tr_loss = 0, total = 0;
+  std::int64_t windows = 0;
+  bool stand_in_used = false;  // past the first window of a line, where it is 0
+  for (std::size_t k = 0, line = 0; k < 12; ++k) {
+    const double stand_in = tr_loss / static_cast<double>(1 + windows);
+    stand_in_used = stand_in_used || (bad[k] && stand_in != 0.0);
+    tr_loss += bad[k] ? stand_in : each[k]["loss"].get<double>();
+    ++windows;
+    if ((k + 1) % 3 != 0) continue;
+    INFO("the line of step ", k + 1);
+    REQUIRE(lines[line]["loss"].is_number());
+    CHECK(lines[line]["loss"].get<double>() ==
+          doctest::Approx(tr_loss / static_cast<double>(windows)).epsilon(1e-12));
+    total += tr_loss;
+    tr_loss = 0;
+    windows = 0;
+    ++line;
+  }
+  CHECK(stand_in_used);
+  CHECK(out.training_loss == doctest::Approx(total / 12).epsilon(1e-12));
+  CHECK(out.skipped_steps == static_cast<std::int64_t>(skipped_windows.size()));
+
+  // Every checkpoint's loss sum is a finite number, and every checkpoint after the first filtered
+  // window resumes into the uninterrupted run, bit for bit: weights, training loss, and log lines,
+  // those of a logging window that spans the checkpoint included.
+  const std::int64_t first_bad = std::find(bad.begin(), bad.end(), true) - bad.begin() + 1;
+  int resumed_runs = 0;
+  for (std::int64_t s : checkpoint_steps(straight)) {
+    INFO("checkpoint-", s);
+    const fs::path checkpoint = straight / fmt::format("checkpoint-{}", s);
+    const nlohmann::json loss_sum = load_checkpoint(checkpoint.string()).trainer_state["loss_sum"];
+    REQUIRE(loss_sum.is_number());
+    CHECK(std::isfinite(loss_sum.get<double>()));
+    if (s < first_bad || s == 12) continue;
+    const fs::path resumed = dir.path / fmt::format("resumed-{}", s);
+    TrainingArguments b = inf_run(resumed, 3);
+    b.resume_from_checkpoint = checkpoint.string();
+    const TrainOutput r = quiet_train(b, data);
+    ++resumed_runs;
+    CHECK(r.global_step == 12);
+    CHECK(r.skipped_steps == out.skipped_steps);
+    CHECK(r.training_loss == out.training_loss);
+    CHECK(file_bytes(resumed / "model.safetensors") == file_bytes(straight / "model.safetensors"));
+    std::vector<nlohmann::json> expected;
+    for (auto& l : lines)
+      if (l["step"].get<std::int64_t>() > s) expected.push_back(l);
+    const std::vector<nlohmann::json> got = step_lines(resumed);
+    REQUIRE(got.size() == expected.size());
+    for (std::size_t i = 0; i < got.size(); ++i)
+      for (const char* key :
+           {"step", "loss", "grad_norm", "learning_rate", "skipped_steps", "loss_scale"})
+        CHECK_MESSAGE(got[i][key] == expected[i][key], key, ": ", got[i].dump(), " vs ",
+                      expected[i].dump());
+  }
+  CHECK(resumed_runs >= 3);
+}
+
+TEST_CASE(
+    "Trainer: with logging_nan_inf_filter off the loss stays NaN, and checkpoints still resume") {
+  const TensorDataset data = images_with_an_inf();
+  TempDir dir;
+  const fs::path straight = dir.path / "straight";
+  TrainingArguments a = inf_run(straight, 3);
+  a.logging_nan_inf_filter = false;
+  CHECK(!TrainingArguments::from_json(nlohmann::json::parse(R"({"logging_nan_inf_filter": false})"))
+             .logging_nan_inf_filter);
+  const TrainOutput out = quiet_train(a, data);
+  CHECK(std::isnan(out.training_loss));  // as Hugging Face's tr_loss
+  CHECK(step_lines(straight).back()["loss"].is_null());
+  // A NaN total is saved as Python's json spells it, and reads back: the resumed run goes on as
+  // the uninterrupted one.
+  const CheckpointData last = load_checkpoint((straight / "checkpoint-10").string());
+  CHECK(last.trainer_state["loss_sum"] == "NaN");
+  TrainingArguments b = a;
+  b.output_dir = (dir.path / "resumed").string();
+  b.resume_from_checkpoint = (straight / "checkpoint-10").string();
+  const TrainOutput r = quiet_train(b, data);
+  CHECK(r.global_step == 12);
+  CHECK(std::isnan(r.training_loss));
+  CHECK(file_bytes(dir.path / "resumed" / "model.safetensors") ==
+        file_bytes(straight / "model.safetensors"));
+}
+
+MB_CUDA_TEST_CASE(
+    "Trainer on cuda:0: a non-finite window loss is filtered on the device as on the CPU") {
+  // f32, where the inf input's window is skipped without a loss scaler: the device's filter
+  // (kernels, no wait) logs what the CPU's logs, to the devices' f32 agreement.
+  const TensorDataset data = images_with_an_inf();
+  TempDir dir;
+  TrainingArguments cpu = inf_run(dir.path / "cpu", 3), gpu = inf_run(dir.path / "gpu", 3);
+  cpu.fp16 = gpu.fp16 = false;
+  gpu.use_cpu = false;
+  gpu.device = "cuda:0";
+  quiet_train(cpu, data);
+  quiet_train(gpu, data);
+  const std::vector<nlohmann::json> on_cpu = step_lines(dir.path / "cpu"),
+                                    on_gpu = step_lines(dir.path / "gpu");
+  REQUIRE(on_gpu.size() == on_cpu.size());
+  for (std::size_t i = 0; i < on_gpu.size(); ++i) {
+    REQUIRE_MESSAGE(on_gpu[i]["loss"].is_number(), on_gpu[i].dump());
+    CHECK(on_gpu[i]["loss"].get<double>() ==
+          doctest::Approx(on_cpu[i]["loss"].get<double>()).epsilon(1e-4));
+    CHECK(on_gpu[i]["skipped_steps"] == on_cpu[i]["skipped_steps"]);
+  }
+  for (std::int64_t s : checkpoint_steps(dir.path / "gpu"))
+    CHECK(load_checkpoint((dir.path / "gpu" / fmt::format("checkpoint-{}", s)).string())
+              .trainer_state.at("loss_sum")
+              .is_number());
 }
 
 TEST_CASE("TrainingArguments: out-of-range numbers, deep values and overflowing batches are refused") {
