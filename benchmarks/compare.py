@@ -95,7 +95,8 @@ def compare_kernels(ours, torch_, summary):
 
 
 def compare_gpt2(ours, torch_, summary):
-    print(f"\nGPT-2 training step ({ours.get('model')}, {ours.get('parameters')} parameters): ours / PyTorch — "
+    where = f", {ours['device']}" if ours.get("device") else ""
+    print(f"\nGPT training step ({ours.get('model')}, {ours.get('parameters')} parameters{where}): ours / PyTorch — "
           "step time and memory lower is better, tokens/s higher is better")
     theirs = {r.get("batch"): r for r in dicts((torch_ or {}).get("runs"))}
     print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours tok/s':>12}{'torch tok/s':>12}{'tok/s ratio':>12}"
@@ -281,7 +282,7 @@ def plot_gpt2_loss(ours, torch_, path):
     cols = max(1, min(3, len(panels)))
     pw, ph, left, gap = 360, 230, 75, 40
     width = left + cols * pw + (cols - 1) * (left + gap - 20) + 30
-    title = (f"GPT-2 ({ours.get('model')}) training loss per optimizer step, ours vs PyTorch, "
+    title = (f"GPT ({ours.get('model')}) training loss per optimizer step, ours vs PyTorch, "
              f"{on_devices(ours, torch_)}")
     subtitle = ("Both runs start from the same weights and tokens"
                 + (f"; the grey band is the {warmup:g} warm-up steps (not timed)" if warmup else ""))
@@ -317,7 +318,7 @@ def plot_gpt2_step(ours, torch_, path):
     categories = [f"B = {b}" for b in batches]
     w, h, left = max(240, 115 * len(batches)), 250, 80
     width = 2 * (left + w) + 40
-    title = (f"GPT-2 ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
+    title = (f"GPT ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
              f"{on_devices(ours, torch_)}")
     fig = Figure(width, title, "Median time per optimizer step after the warm-up and the allocator's peak "
                                "allocated memory (PyTorch: max_memory_allocated); lower is better")

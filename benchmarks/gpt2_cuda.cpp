@@ -6,14 +6,17 @@
 // step, for each B in --batch; the batch is drawn once per B (seeded uniform tokens) and reused.
 //
 //   bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps 10] [--warmup 3]
-//                   [--device cuda|cpu] [--tiny] [--profile] [--profile-steps 3]
-//                   [--profile-out PATH]
+//                   [--device cuda|cpu] [--model gpt2|char|tiny] [--precision bf16|f32]
+//                   [--profile] [--profile-steps 3] [--profile-out PATH]
 //
-// It writes the initial weights to DIR/gpt2_init.safetensors (with the model's shape in the
-// metadata) and each batch to DIR/gpt2_tokens.safetensors ("tokens_b8": (8, 1025) i64, ...), so
-// that benchmarks/torch_gpt2.py starts from the same weights and sees the same tokens: the two
-// runs' losses should agree step for step (bf16 rounding aside). --tiny runs a 2-layer, 64-wide
-// model on 64 tokens instead (with --device cpu, a smoke run of this program's logic).
+// It writes the initial weights to DIR/gpt2_init.safetensors (with the model's name and shape in
+// the metadata) and each batch to DIR/gpt2_tokens.safetensors ("tokens_b8": (8, 1025) i64, ...),
+// so that benchmarks/torch_gpt2.py starts from the same weights and sees the same tokens: the two
+// runs' losses should agree step for step (bf16 rounding aside). --model char is the README's
+// character-level GPT (vocab 65, block 64, 4 layers, 4 heads, 128 wide), the model of the CPU
+// comparison (benchmarks/cpu_vs_torch.sh, with --precision f32: f32 weights, no 16-bit copy);
+// --model tiny (or --tiny) is 2 layers, 64 wide, on 64 tokens (with --device cpu, a smoke run of
+// this program's logic).
 //
 // The steps run as the Trainer runs them: the boundary step (norm, clip and AdamW, one launch
 // each) is queued without a host synchronisation and its outcome read at the next boundary; the
@@ -45,6 +48,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include "benchmarks/bench_util.h"
 #include "core/profiler.h"
 #include "core/rng.h"
@@ -68,6 +75,18 @@ mb::nn::GPTConfig gpt2_small() {
 
 mb::nn::GPTConfig tiny() {
   return {.vocab_size = 512, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64};
+}
+
+mb::nn::GPTConfig char_gpt() {
+  return {.vocab_size = 65, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128};
+}
+
+// --model's name to its config, and the name the JSON and the weights' metadata carry.
+std::pair<std::string, mb::nn::GPTConfig> model_named(const std::string& name) {
+  if (name == "gpt2") return {"gpt2_small", gpt2_small()};
+  if (name == "char") return {"char", char_gpt()};
+  if (name == "tiny") return {"tiny", tiny()};
+  mb::detail::throw_error(fmt::format("--model {}: expected gpt2, char or tiny", name));
 }
 
 std::vector<std::int64_t> parse_list(const std::string& text) {
@@ -138,8 +157,8 @@ nlohmann::json run_json(const Run& r, std::int64_t t) {
 
 constexpr const char* kUsage =
     "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] [--warmup N]\n"
-    "                       [--device cuda|cpu] [--tiny] [--profile] [--profile-steps N] "
-    "[--profile-out PATH]\n";
+    "                       [--device cuda|cpu] [--model gpt2|char|tiny] [--precision bf16|f32]\n"
+    "                       [--profile] [--profile-steps N] [--profile-out PATH]\n";
 
 }  // namespace
 
@@ -148,7 +167,9 @@ int main(int argc, char** argv) {
   const std::string json_path = args.get("--json", "");
   const std::string out_dir = args.get("--out-dir", ".");
   const std::string device_arg = args.get("--device", "cuda");
-  const bool small = args.flag("--tiny");
+  const bool tiny_flag = args.flag("--tiny");
+  const std::string model_arg = args.get("--model", tiny_flag ? "tiny" : "gpt2");
+  const std::string precision = args.get("--precision", "bf16");
   const std::string profile_out = args.get("--profile-out", "");
   const bool profile =
       args.flag("--profile") || !profile_out.empty() || mb::profiler::requested_by_env();
@@ -161,6 +182,13 @@ int main(int argc, char** argv) {
     warmup = static_cast<int>(args.get_int("--warmup", 3));
     profile_steps = static_cast<int>(args.get_int("--profile-steps", 3));
     dev = mb::parse_device(device_arg);
+    MB_CHECK(!tiny_flag || model_arg == "tiny", "--tiny and --model {} name two models", model_arg);
+    (void)model_named(model_arg);
+    MB_CHECK(precision == "bf16" || precision == "f32", "--precision {}: expected bf16 or f32",
+             precision);
+  } catch (const mb::Error& e) {
+    std::fprintf(stderr, "bench_gpt2_cuda: %s\n%s", e.what(), kUsage);
+    return 2;
   } catch (const std::logic_error& e) {  // std::stoll's; its message names only itself
     std::fprintf(stderr,
                  "bench_gpt2_cuda: --batch, --steps, --warmup and --profile-steps take whole "
@@ -187,7 +215,8 @@ int main(int argc, char** argv) {
                  "(--device cpu --tiny runs the program's logic on the CPU)\n");
     return 2;
   }
-  const mb::nn::GPTConfig config = small ? tiny() : gpt2_small();
+  const auto [model_name, config] = model_named(model_arg);
+  const DType compute_dtype = precision == "f32" ? DType::f32 : DType::bf16;
   const std::int64_t T = config.block_size;
 
   // Whatever fails from here on, the JSON and --profile-out are written with what was measured: a
@@ -197,8 +226,10 @@ int main(int argc, char** argv) {
       {"benchmark", "gpt2"},
       {"implementation", "microbatch"},
       {"device", device_arg},
-      {"model", small ? "tiny" : "gpt2_small"},
-      {"precision", "bf16 weights and activations, f32 master weights and gradients"},
+      {"model", model_name},
+      {"precision", compute_dtype == DType::f32
+                        ? "f32 weights, activations and gradients"
+                        : "bf16 weights and activations, f32 master weights and gradients"},
       {"optimizer",
        "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0"},
       {"attention", attention_kernel_name(dev)},
@@ -230,6 +261,9 @@ int main(int argc, char** argv) {
 
   try {
     report["device"] = mb::bench::device_name(dev);
+#if defined(_OPENMP)
+    if (!dev.is_cuda()) report["threads"] = omp_get_max_threads();  // the CPU kernels' OpenMP team
+#endif
     std::filesystem::create_directories(out_dir);
 
     // The model, built and initialized on the CPU (GPT-2's init), then its weights exported.
@@ -241,14 +275,15 @@ int main(int argc, char** argv) {
     const std::string weights_path =
         (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
     mb::save_safetensors(weights_path, initial,
-                         {{"vocab_size", std::to_string(config.vocab_size)},
+                         {{"model", model_name},
+                          {"vocab_size", std::to_string(config.vocab_size)},
                           {"block_size", std::to_string(config.block_size)},
                           {"n_layer", std::to_string(config.n_layer)},
                           {"n_head", std::to_string(config.n_head)},
                           {"n_embd", std::to_string(config.n_embd)}});
     report["weights"] = weights_path;
-    std::printf("GPT-2 %s: %lld parameters on %s; initial weights in %s\n",
-                small ? "tiny" : "small", static_cast<long long>(n_params),
+    std::printf("GPT %s (%s): %lld parameters on %s; initial weights in %s\n",
+                model_name.c_str(), precision.c_str(), static_cast<long long>(n_params),
                 mb::bench::device_name(dev).c_str(), weights_path.c_str());
 
     mb::NamedTensorMap tokens;
@@ -261,7 +296,7 @@ int main(int argc, char** argv) {
     report["tokens"] = tokens_path;
 
     model.to(dev);
-    mb::optim::ParamStore store(model, {.compute_dtype = DType::bf16});
+    mb::optim::ParamStore store(model, {.compute_dtype = compute_dtype});
     const mb::optim::AdamWConfig adamw_config{.lr = 6e-4, .weight_decay = 0.1};
     const double max_grad_norm = 1.0;
 

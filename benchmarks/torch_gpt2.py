@@ -14,13 +14,18 @@ norms are read at the end; memory is torch.cuda.max_memory_allocated / max_memor
 the model was built.
 
   python3 benchmarks/torch_gpt2.py --weights DIR/gpt2_init.safetensors --tokens DIR/gpt2_tokens.safetensors \
-      [--batch 8,16] [--steps 10] [--warmup 3] [--json PATH] [--device cuda|cpu]
+      [--batch 8,16] [--steps 10] [--warmup 3] [--json PATH] [--device cuda|cpu] [--precision bf16|f32]
+
+--precision f32 trains without autocast (the CPU comparison, benchmarks/cpu_vs_torch.sh). On the
+CPU a step's time is host time, the run records torch's thread count and the OpenBLAS settings it
+ran with, and there is no peak memory: PyTorch keeps no allocator statistics for the CPU.
 
 The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
 """
 import argparse
 import json
 import math
+import os
 import statistics
 import struct
 import sys
@@ -119,6 +124,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "f32"])
     a = p.parse_args()
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -129,7 +135,9 @@ def main():
     cfg = {k: int(meta[k]) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
     T = cfg["block_size"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"torch_gpt2 on {name} with torch {torch.__version__}: {cfg}")
+    model_name = meta.get("model") or ("gpt2_small" if cfg["n_layer"] == 12 and cfg["n_embd"] == 768 else "tiny")
+    autocast = a.precision == "bf16"
+    print(f"torch_gpt2 on {name} with torch {torch.__version__}, {a.precision}: {cfg}")
 
     runs = []
     for B in [int(b) for b in a.batch.split(",")]:
@@ -160,7 +168,7 @@ def main():
         for i in range(a.warmup + a.steps):
             m0 = timer.mark()
             opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
                 loss = model(inputs, labels)
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
@@ -188,13 +196,21 @@ def main():
 
     print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
     for r in runs:
+        peak = r.get("peak_allocated_bytes")
+        peak = "-" if peak is None else f"{peak / 2**20:.1f}"  # none on the CPU
         print(f"{r['batch']:>6} {r['step_ms_median']:>12.1f} {r['tokens_per_s']:>12.0f} "
-              f"{r.get('peak_allocated_bytes', 0) / 2**20:>15.1f} {r['losses'][-1]:>10.4f}")
+              f"{peak:>15} {r['losses'][-1]:>10.4f}")
+    attention = "SDPA" if hasattr(F, "scaled_dot_product_attention") else "composed (no SDPA in this torch)"
     out = dict(benchmark="gpt2", implementation="pytorch", torch=torch.__version__, device=name,
-               model="gpt2_small" if cfg["n_layer"] == 12 and cfg["n_embd"] == 768 else "tiny", parameters=n_params,
-               precision="f32 parameters and gradients, bf16 autocast, SDPA",
+               model=model_name, parameters=n_params,
+               precision=("f32 parameters and gradients, bf16 autocast, " if autocast
+                          else "f32 parameters, activations and gradients, ") + attention,
                optimizer="AdamW(fused) lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0",
                warmup=a.warmup, runs=runs)
+    if device.type == "cpu":
+        out["threads"] = torch.get_num_threads()
+        out["openblas_coretype"] = os.environ.get("OPENBLAS_CORETYPE", "")
+        out["openblas_num_threads"] = os.environ.get("OPENBLAS_NUM_THREADS", "")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

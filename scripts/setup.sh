@@ -5,7 +5,8 @@
 #
 # Environment: BUILD_DIR (default: build/ in the repository), MB_CUDA (ON, OFF or AUTO; AUTO uses
 # /usr/local/cuda/bin/nvcc when it exists), CMAKE_BUILD_TYPE (Release), MB_INSTALL_TORCH=1 to also
-# install python3-torch, which only the fixture-regenerating scripts need.
+# install python3-torch, which only the fixture-regenerating scripts and the CPU comparison need,
+# with OpenBLAS (libopenblas0-pthread), without which that PyTorch runs on the reference BLAS.
 # Meant for Debian 12, run as root (or with sudo available).
 set -euo pipefail
 
@@ -15,7 +16,7 @@ BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 packages=(build-essential cmake ccache libeigen3-dev doctest-dev nlohmann-json3-dev libcli11-dev
           libfmt-dev zlib1g-dev dataset-fashion-mnist python3)
 if [[ "${MB_INSTALL_TORCH:-0}" == 1 ]]; then
-  packages+=(python3-torch)
+  packages+=(python3-torch libopenblas0-pthread)
 fi
 
 # `dpkg -s` also succeeds for removed packages whose configuration files remain: check the status.

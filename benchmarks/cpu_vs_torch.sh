@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The CPU side by side with PyTorch: the README's character-level GPT (vocab 65, block 64, 4
+# layers, 4 heads, 128 wide; 0.8M parameters), trained in f32 with AdamW and clipping at 1.0 from
+# the same initial weights on the same tokens, by bench_gpt2_cuda --device cpu and by
+# benchmarks/torch_gpt2.py --device cpu, then set side by side by benchmarks/compare.py: the step
+# time (median over the timed steps, after the warm-up ones), tokens per second and every step's
+# loss, with the loss curves and step times drawn as SVG files.
+#
+#   bash benchmarks/cpu_vs_torch.sh BUILD_DIR OUTDIR
+#
+# BUILD_DIR holds bench_gpt2_cuda (a CUDA-enabled build configured with -DMB_BUILD_BENCHMARKS=ON;
+# its CPU mode needs no GPU). Environment: MB_CPU_BENCH_BATCH (32), MB_CPU_BENCH_STEPS (30),
+# MB_CPU_BENCH_WARMUP (3), MB_CPU_BENCH_THREADS (every core), MB_TORCH_PYTHON (/usr/bin/python3,
+# where Debian's python3-torch lives).
+#
+# A fair comparison (REFERENCE.md, "Fair CPU comparisons with PyTorch"): Debian's PyTorch calls the
+# system's libblas.so.3, so this refuses to run unless that is OpenBLAS, sets OpenBLAS's core type
+# from the CPU's instruction sets (its detection misreads these machines), and gives both sides the
+# same number of threads. All of it is recorded in OUTDIR/setup.json.
+set -euo pipefail
+if [[ $# -ne 2 ]]; then
+  echo "usage: bash benchmarks/cpu_vs_torch.sh BUILD_DIR OUTDIR" >&2
+  exit 2
+fi
+cd "$(dirname "$0")/.."
+build=$(realpath "$1")
+mkdir -p "$2"
+out=$(realpath "$2")
+bench="$build/bench_gpt2_cuda"
+if [[ ! -x "$bench" ]]; then
+  echo "cpu_vs_torch: $bench is missing: configure a CUDA-enabled build with" \
+       "-DMB_BUILD_BENCHMARKS=ON and build bench_gpt2_cuda" >&2
+  exit 2
+fi
+py="${MB_TORCH_PYTHON:-/usr/bin/python3}"
+if ! "$py" -c "import torch" 2>/dev/null; then
+  echo "cpu_vs_torch: $py cannot import torch (Debian: apt-get install python3-torch)" >&2
+  exit 2
+fi
+# The library the loader gives for libblas.so.3 (Debian's alternatives pick it), followed to its file.
+blas=$(ldconfig -p | awk '$1 == "libblas.so.3" && !found {print $NF; found = 1}')
+blas=$(readlink -f "$blas" 2>/dev/null || true)
+if [[ "$blas" != *openblas* ]]; then
+  echo "cpu_vs_torch: libblas.so.3 is '${blas:-missing}', not OpenBLAS: PyTorch would run on the" \
+       "reference BLAS, several times slower than it can (apt-get install libopenblas0-pthread)" >&2
+  exit 2
+fi
+if grep -qw avx512f /proc/cpuinfo; then
+  coretype=SkylakeX
+elif grep -qw avx2 /proc/cpuinfo; then
+  coretype=Haswell
+else
+  coretype=""
+fi
+threads="${MB_CPU_BENCH_THREADS:-$(nproc)}"
+batch="${MB_CPU_BENCH_BATCH:-32}"
+steps="${MB_CPU_BENCH_STEPS:-30}"
+warmup="${MB_CPU_BENCH_WARMUP:-3}"
+export OMP_NUM_THREADS="$threads" OPENBLAS_NUM_THREADS="$threads"
+if [[ -n "$coretype" ]]; then export OPENBLAS_CORETYPE="$coretype"; fi
+
+cat > "$out/setup.json" <<EOF
+{"blas": "$blas", "openblas_coretype": "$coretype", "threads": $threads, "batch": $batch,
+ "steps": $steps, "warmup": $warmup, "cpu": "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)",
+ "torch_python": "$py"}
+EOF
+echo "cpu_vs_torch: $threads threads, OpenBLAS core type '${coretype:-auto}', $blas"
+
+rm -f "$out/gpt2.json" "$out/torch_gpt2.json"
+"$bench" --device cpu --model char --precision f32 --batch "$batch" --steps "$steps" \
+  --warmup "$warmup" --out-dir "$out" --json "$out/gpt2.json"
+"$py" benchmarks/torch_gpt2.py --device cpu --precision f32 --weights "$out/gpt2_init.safetensors" \
+  --tokens "$out/gpt2_tokens.safetensors" --batch "$batch" --steps "$steps" --warmup "$warmup" \
+  --json "$out/torch_gpt2.json"
+python3 benchmarks/compare.py "$out" --json "$out/summary.json" --plots "$out/plots"
