@@ -3,6 +3,8 @@
 // from a file first, and flags given on the command line win. Training goes to cuda:0 when a CUDA
 // device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a GPU
 // on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 
 #include <exception>
@@ -163,11 +165,15 @@ mb::train::TrainingArguments training_arguments(Options& o) {
 
 struct Job {
   std::unique_ptr<mb::train::Dataset> train_set, eval_set;
+  double weight_bytes = 0.0;  // a GPT's f32 weights, which are made in host memory first
   mb::train::ModelInit model_init;
   mb::train::ComputeMetrics metrics;
 };
 
-Job make_job(Options& o) {
+// The datasets and the model of a run; the evaluation split is read only when `need_eval` (a run
+// that evaluates), so that a short text with no room for one trains without evaluation, as a
+// Hugging Face Trainer needs no eval_dataset under eval_strategy "no", and a plan reads none.
+Job make_job(Options& o, bool need_eval) {
   Job job;
   if (o.model == "gpt" || o.model == "gpt2") {
     // gpt2 keeps GPT-2 small's 1024 positions and 50257 tokens whatever the data: its sequences may be
@@ -195,20 +201,23 @@ Job make_job(Options& o) {
                                   .level = o.text_level == "byte" ? mb::train::TextLevel::Byte
                                                                   : mb::train::TextLevel::Char};
       auto train_text = std::make_unique<mb::train::TextDataset>(path, text);
-      text.split = mb::train::Split::Val;
-      job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+      if (need_eval) {
+        text.split = mb::train::Split::Val;
+        job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+      }
       if (!gpt2) cfg.vocab_size = train_text->vocab_size();
       MB_CHECK(train_text->vocab_size() <= cfg.vocab_size, "[gpt2] {} has {} distinct tokens, more than GPT-2's {}",
                path, train_text->vocab_size(), cfg.vocab_size);
       job.train_set = std::move(train_text);
     }
+    job.weight_bytes = cfg.parameter_count() * 4.0;
     job.model_init = [cfg] { return std::make_unique<mb::nn::GPT>(cfg); };
   } else {
     MB_CHECK(o.dataset == "file", "[--dataset] synthetic data is token sequences, for gpt and gpt2; {} reads "
              "Fashion-MNIST", o.model);
     const std::string root = o.data.empty() ? mb::train::kFashionMnistRoot : o.data;
     job.train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
-    job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
+    if (need_eval) job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
     if (o.model == "mlp") {
       const mb::nn::MLPConfig cfg{.dropout = o.dropout};  // checked by the model's constructor
       job.model_init = [cfg] { return std::make_unique<mb::nn::MLP>(cfg); };
@@ -223,7 +232,15 @@ Job make_job(Options& o) {
 
 int run_train(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
-  Job job = make_job(o);
+  Job job = make_job(o, args.eval_strategy != "no");
+  // The weights are made in host memory before anything else: sizes whose weights alone could not
+  // fit (a mistyped --n-layer 4294967297) are refused here rather than allocated layer by layer.
+  const double host_bytes =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  MB_CHECK(host_bytes <= 0 || job.weight_bytes <= host_bytes,
+           "[{}] the model's f32 weights alone would take {}, more than this machine's memory ({})",
+           o.model, mb::format_bytes(static_cast<std::int64_t>(std::min(job.weight_bytes, 9e18))),
+           mb::format_bytes(static_cast<std::int64_t>(host_bytes)));
   // The command evaluates each epoch by default; data with no evaluation split (synthetic tokens)
   // is not evaluated unless asked, and then the Trainer says what is missing.
   if (!job.eval_set && !o.eval_strategy_given) args.eval_strategy = "no";
@@ -270,7 +287,7 @@ int run_plan(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
   args.validate();
-  Job job = make_job(o);
+  Job job = make_job(o, false);
   // Planned on the meta device only: a plan for cuda needs no GPU here.
   const mb::train::MemoryPlan plan =
       mb::train::plan_training(job.model_init, args, *job.train_set, args.requested_device());

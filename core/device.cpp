@@ -76,6 +76,8 @@ bool is_floating(DType dt) {
   return dt == DType::f32 || dt == DType::f64 || dt == DType::f16 || dt == DType::bf16;
 }
 
+bool is_integer(DType dt) { return !is_floating(dt) && dt != DType::boolean; }
+
 bool is_16bit_float(DType dt) { return dt == DType::f16 || dt == DType::bf16; }
 
 DType promote_types(DType a, DType b) {

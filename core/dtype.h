@@ -20,6 +20,8 @@ const char* dtype_name(DType dt);
 /// Parses a dtype_name (also accepts "float32", "float16", "bfloat16", "float64").
 DType parse_dtype(const std::string& name);
 bool is_floating(DType dt);
+/// i32, i64 and u8 (not bool).
+bool is_integer(DType dt);
 bool is_16bit_float(DType dt);
 /// The dtype both operands of a binary op are promoted to (float beats int, wider beats narrower).
 DType promote_types(DType a, DType b);

@@ -64,6 +64,7 @@ Embedding::Embedding(std::int64_t num_embeddings, std::int64_t dim, DType dtype)
 Tensor Embedding::forward(const Tensor& indices) { return embedding(weight, indices); }
 
 LayerNorm::LayerNorm(std::int64_t dim, double eps, DType dtype) : eps(eps) {
+  MB_CHECK(dim > 0, "[LayerNorm] the normalized size must be positive, got {}", dim);
   weight = filled_parameter({dim}, 1.0, dtype);
   bias = filled_parameter({dim}, 0.0, dtype);
   register_parameter("weight", &weight);
@@ -72,6 +73,11 @@ LayerNorm::LayerNorm(std::int64_t dim, double eps, DType dtype) : eps(eps) {
 
 Tensor LayerNorm::forward(const Tensor& x) {
   return layer_norm(x, {weight.shape()[0]}, weight, bias, eps);
+}
+
+Dropout::Dropout(double p) : p(p) {
+  // As torch.nn.Dropout: checked when made, not first in a training forward.
+  MB_CHECK(p >= 0.0 && p <= 1.0, "[Dropout] p must be in [0, 1], got {}", p);
 }
 
 Tensor Dropout::forward(const Tensor& x) { return is_training() ? dropout(x, p) : x; }

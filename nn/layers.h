@@ -49,7 +49,7 @@ class LayerNorm : public Layer {
 /// Active only in training mode.
 class Dropout : public Layer {
  public:
-  explicit Dropout(double p = 0.5) : p(p) {}
+  explicit Dropout(double p = 0.5);
   Tensor forward(const Tensor& x) override;
   double p;
 };

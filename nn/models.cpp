@@ -5,6 +5,12 @@
 namespace microbatch::nn {
 
 std::int64_t Model::count_loss_items(const Tensor& labels) const {
+  // Class indices equal to the loss's ignore_index (-100, classify's) carry no loss, as torch's
+  // cross_entropy and Hugging Face's token counts treat them; soft (floating) labels all do.
+  if (is_integer(labels.dtype())) {
+    const Tensor ignored = scalar_tensor(-100.0, {.dtype = labels.dtype(), .device = labels.device()});
+    return static_cast<std::int64_t>(sum(ne(labels, ignored).to(DType::i64)).item());
+  }
   return labels.dim() == 0 ? 1 : labels.shape()[0];
 }
 
@@ -121,6 +127,14 @@ void GPTConfig::validate() const {
   check_size("GPT", "n_embd", n_embd);
   MB_CHECK(n_embd % n_head == 0, "[GPT] n_embd {} is not divisible by n_head {}", n_embd, n_head);
   check_dropout("GPT", dropout);
+}
+
+double GPTConfig::parameter_count() const {
+  const double v = static_cast<double>(vocab_size), t = static_cast<double>(block_size),
+               l = static_cast<double>(n_layer), c = static_cast<double>(n_embd);
+  // Per block: two layer norms (4C), c_attn (3C^2 + 3C), c_proj (C^2 + C), c_fc (4C^2 + 4C) and
+  // the MLP's c_proj (4C^2 + C); then ln_f (2C).
+  return v * c + t * c + l * (12.0 * c * c + 13.0 * c) + 2.0 * c;
 }
 
 CausalSelfAttention::CausalSelfAttention(const GPTConfig& config)

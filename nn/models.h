@@ -89,6 +89,9 @@ struct GPTConfig {
   /// Throws microbatch::Error naming the first size < 1, an n_embd not divisible by n_head, or a
   /// dropout outside [0, 1).
   void validate() const;
+  /// The parameters GPT(config) has, computed in double (no overflow for any sizes):
+  /// V C + T C + L (12 C^2 + 13 C) + 2 C, the head tied to the token embedding.
+  double parameter_count() const;
 };
 
 class CausalSelfAttention : public Module {

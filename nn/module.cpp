@@ -94,6 +94,9 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
       continue;
     }
     ++used;
+    MB_CHECK(it->second.defined(), "[load_state_dict] '{}' is an undefined tensor", name);
+    MB_CHECK(!it->second.device().is_meta(),
+             "[load_state_dict] '{}' is on the meta device: it has no values to load", name);
     MB_CHECK(it->second.shape() == slot->shape(), "[load_state_dict] '{}' has shape {}, the model expects {}",
              name, shape_str(it->second.shape()), shape_str(slot->shape()));
     NoGradGuard no_grad;
@@ -130,7 +133,16 @@ void move_slots(std::vector<std::pair<std::string, Tensor*>>& slots, Device devi
       moved = slot->to(device, dt).detach();
       if (moved.same_storage(*slot)) moved = moved.clone().detach();
     }
-    if (params) moved.requires_grad_(true);
+    if (params) {
+      moved.requires_grad_(true);
+      // The gradient moves with its parameter, as torch's Module._apply moves param.grad.
+      if (slot->grad().defined()) {
+        NoGradGuard no_grad;
+        Tensor grad = slot->grad().to(device, dt).detach();
+        if (grad.same_storage(slot->grad())) grad = grad.clone().detach();
+        moved.set_grad(grad);
+      }
+    }
     done.emplace_back(before, moved);
     *slot = moved;
   }

@@ -2,7 +2,9 @@
 #include "train/data.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <type_traits>
@@ -46,7 +48,20 @@ Example TensorDataset::get(std::int64_t index) const {
 
 namespace {
 
-bool is_integer(DType dt) { return !is_floating(dt) && dt != DType::boolean; }
+
+// Whether v is exactly a value of dt (any value for floating dtypes).
+bool holds_value(DType dt, double v) {
+  return dispatch_all(dt, [&]<class T>() {
+    if constexpr (std::is_same_v<T, bool>) {
+      return v == 0.0 || v == 1.0;
+    } else if constexpr (std::is_integral_v<T>) {
+      return v == std::floor(v) && v >= static_cast<double>(std::numeric_limits<T>::lowest()) &&
+             v < std::ldexp(1.0, std::numeric_limits<T>::digits);
+    } else {
+      return true;
+    }
+  });
+}
 
 // Stacks one field (input or label) of every example into (B, ...); 1-d fields of different
 // lengths become (B, L_max) with the tail of each row set to `fill`.
@@ -83,6 +98,10 @@ Tensor collate_field(const std::vector<Example>& examples, Tensor Example::*fiel
                "[collate] example {} {} has shape {}, example 0 has {}; only 1-d sequences are padded",
                i, what, shape_str(t.shape()), shape_str(first.shape()));
     }
+    // A fill the dtype cannot hold would wrap (-100 in u8 is 156) and count as a real label.
+    MB_CHECK(holds_value(first.dtype(), fill),
+             "[collate] the {} padding value {} is not a value of their dtype {}", what, fill,
+             dtype_name(first.dtype()));
     out = full({batch, longest}, fill, {.dtype = first.dtype(), .device = first.device()});
   }
   if (out.device().is_meta()) return out;
@@ -125,10 +144,10 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options) {
   batch.inputs = collate_field(examples, &Example::input, options.pad_value, "input");
   batch.labels =
       collate_field(examples, &Example::label, static_cast<double>(options.ignore_index), "label");
+  // Integer labels (a class per example, or per token) equal to ignore_index carry no loss;
+  // soft (floating) labels all do. A meta batch has no label values: every label counts.
   const Tensor& label0 = examples.front().label;
-  const bool token_labels = label0.dim() >= 1 && is_integer(label0.dtype());
-  // A meta batch has no label values: every token counts.
-  batch.num_items = !token_labels ? static_cast<std::int64_t>(examples.size())
+  batch.num_items = !is_integer(label0.dtype())       ? static_cast<std::int64_t>(examples.size())
                     : batch.labels.device().is_meta() ? batch.labels.numel()
                                                       : count_not_equal(batch.labels, options.ignore_index);
   return batch;
@@ -180,7 +199,7 @@ DataLoader::~DataLoader() { stop_worker(); }
 std::int64_t DataLoader::num_batches() const {
   const std::int64_t n = dataset_.size();
   const std::int64_t b = options_.batch_size;
-  return options_.drop_last ? n / b : (n + b - 1) / b;
+  return options_.drop_last ? n / b : n / b + (n % b != 0 ? 1 : 0);  // n + b - 1 could overflow
 }
 
 void DataLoader::set_epoch(std::int64_t epoch) { set_state({.epoch = epoch, .position = 0}); }
@@ -193,11 +212,19 @@ void DataLoader::set_state(LoaderState state) {
   stop_worker();
   state_ = state;
   const std::int64_t n = dataset_.size();
-  if (options_.shuffle) {
-    order_ = shuffled_order(n, options_.seed, state.epoch);
-  } else {
-    order_.resize(static_cast<std::size_t>(n));
-    std::iota(order_.begin(), order_.end(), 0);
+  try {
+    if (options_.shuffle) {
+      order_ = shuffled_order(n, options_.seed, state.epoch);
+    } else {
+      order_.resize(static_cast<std::size_t>(n));
+      std::iota(order_.begin(), order_.end(), 0);
+    }
+  } catch (const std::bad_alloc&) {
+    MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices)", n,
+             static_cast<double>(n) * sizeof(std::int64_t));
+  } catch (const std::length_error&) {
+    MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices)", n,
+             static_cast<double>(n) * sizeof(std::int64_t));
   }
 }
 

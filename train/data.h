@@ -1,8 +1,9 @@
 // Datasets, batches and the DataLoader: the order in which a run sees its samples, collated into
 // batch tensors, with the item counts that make gradient accumulation exact.
 //
-// Note [Batch items]: a batch's num_items is the number of samples for classification batches, and
-// the number of loss-bearing tokens (labels != ignore_index) for token batches. A micro-batch's
+// Note [Batch items]: a batch's num_items is the number of loss-bearing labels: samples whose class
+// index is not ignore_index for classification batches, tokens whose label is not ignore_index
+// for token batches, every sample for soft (floating) labels. A micro-batch's
 // weight in an accumulation window is its share of the window's items (see REFERENCE.md,
 // "Gradient accumulation"), so every split of a batch gives the full batch's gradient.
 #pragma once
@@ -75,8 +76,8 @@ struct CollateOptions {
 
 /// Stacks examples whose inputs (and labels) share a shape. 1-d sequences of different lengths
 /// are padded on the right to the longest: inputs with pad_value, labels with ignore_index.
-/// Labels of an integer dtype with at least one dimension are token labels: num_items counts the
-/// entries != ignore_index; otherwise num_items is the number of examples.
+/// With labels of an integer dtype (a class per example, or a token sequence) num_items counts the
+/// entries != ignore_index; with floating labels it is the number of examples.
 Batch collate(const std::vector<Example>& examples, CollateOptions options = {});
 
 /// The sample order of one epoch: 0..n-1 shuffled by a Fisher–Yates pass driven by a

@@ -161,8 +161,12 @@ std::string find_file(const std::string& root, const std::string& name) {
   const fs::path gz = fs::path(root) / (name + ".gz");
   const fs::path plain = fs::path(root) / name;
   std::error_code ec;
-  if (fs::exists(gz, ec)) return gz.string();
-  if (fs::exists(plain, ec)) return plain.string();
+  for (const fs::path& p : {gz, plain}) {
+    if (!fs::exists(p, ec)) continue;
+    // A FIFO would block gzopen until a writer came, and a folder fails only at the first read.
+    MB_CHECK(fs::is_regular_file(p, ec), "[FashionMNIST] {} is not a regular file", p.string());
+    return p.string();
+  }
   MB_CHECK(false,
            "[FashionMNIST] missing {} (or {} uncompressed); install Debian's dataset-fashion-mnist "
            "or pass the folder that holds the IDX files", gz.string(), plain.string());

@@ -222,7 +222,9 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
       const bool fits = v.is_number_unsigned()
                             ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(
                                                             std::numeric_limits<Field>::max())
-                            : v.get<double>() < std::ldexp(1.0, std::numeric_limits<Field>::digits);
+                            : v.get<double>() < std::ldexp(1.0, std::numeric_limits<Field>::digits) &&
+                                  v.get<double>() >= static_cast<double>(
+                                                         std::numeric_limits<Field>::lowest());
       MB_CHECK(fits, "[TrainingArguments] '{}' is out of range: {}", name, shown_json(v));
     }
     try {

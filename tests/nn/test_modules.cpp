@@ -47,6 +47,39 @@ TEST_CASE("state_dict round trip and load errors") {
   StateDict wrong = a.state_dict();
   wrong["net.1.weight"] = zeros({3, 3});
   check_throws_with([&] { b.load_state_dict(wrong); }, "'net.1.weight' has shape (3, 3), the model expects (4, 5)");
+  wrong = a.state_dict();
+  wrong["net.1.bias"] = Tensor();
+  check_throws_with([&] { b.load_state_dict(wrong); }, "[load_state_dict] 'net.1.bias' is an undefined tensor");
+  wrong["net.1.bias"] = empty({4}, {.device = kMeta});
+  check_throws_with([&] { b.load_state_dict(wrong); }, "'net.1.bias' is on the meta device");
+}
+
+TEST_CASE("layers refuse sizes and probabilities torch.nn refuses when they are made") {
+  check_throws_with([] { Dropout(1.5); }, "[Dropout] p must be in [0, 1], got 1.5");
+  check_throws_with([] { Dropout(-0.1); }, "[Dropout] p must be in [0, 1], got -0.1");
+  Dropout all(1.0);  // as torch: p = 1 zeroes everything in training
+  CHECK(sum(all.forward(ones({4}))).item() == 0.0);
+  check_throws_with([] { LayerNorm(0); }, "[LayerNorm] the normalized size must be positive, got 0");
+  check_throws_with([] { LayerNorm(-1); }, "[LayerNorm] the normalized size must be positive, got -1");
+}
+
+TEST_CASE("GPTConfig::parameter_count is the model's count, for sizes no model could have too") {
+  for (const GPTConfig& cfg : {GPTConfig{.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16},
+                               GPTConfig{.vocab_size = 65, .block_size = 64, .n_layer = 3, .n_head = 4, .n_embd = 24}}) {
+    CHECK(cfg.parameter_count() == static_cast<double>(GPT(cfg).num_parameters()));
+  }
+  CHECK(GPTConfig::gpt2_small().parameter_count() == 124439808.0);
+  const GPTConfig huge{.vocab_size = 65, .block_size = 16, .n_layer = 4294967297, .n_head = 2, .n_embd = 16};
+  CHECK(huge.parameter_count() > 1e13);  // computed without building or overflowing anything
+}
+
+TEST_CASE("MLP counts only the labels that carry loss") {
+  // Samples labelled -100 carry no loss in cross_entropy, so they do not count toward a
+  // micro-batch's share of an accumulation window (the certificate's MLP case has such labels).
+  MLP m({.in_features = 3, .hidden = {4}, .num_classes = 3});
+  CHECK(m.count_loss_items(from_vector({-100, 0, 1, 2}, {4}, {.dtype = DType::i64})) == 3);
+  CHECK(m.count_loss_items(from_vector({-100, -100}, {2}, {.dtype = DType::i64})) == 0);
+  CHECK(m.count_loss_items(from_vector({0.2, 0.8, 0.5, 0.5}, {2, 2})) == 2);  // soft labels
 }
 
 TEST_CASE("Module::to casts parameters, which stay trainable leaves") {
@@ -61,6 +94,15 @@ TEST_CASE("Module::to casts parameters, which stay trainable leaves") {
   auto out = m(x, from_vector({0, 1, 1}, {3}, {.dtype = DType::i64}));
   out.loss.backward();
   for (auto& [name, t] : m.named_parameters()) CHECK(t.grad().defined());
+  // The gradients move with their parameters, as torch's Module.to moves param.grad.
+  const std::vector<double> before = m.named_parameters().front().second.grad().to_vector();
+  m.to(DType::f32);
+  for (auto& [name, t] : m.named_parameters()) {
+    CAPTURE(name);
+    REQUIRE(t.grad().defined());
+    CHECK(t.grad().dtype() == DType::f32);
+  }
+  check_close(m.named_parameters().front().second.grad(), before, 1e-6, 1e-7, "moved gradient");
 }
 
 TEST_CASE("train/eval reaches every child; dropout is off in eval") {

@@ -620,3 +620,62 @@ TEST_CASE("TextDataset on tinyshakespeare" * doctest::skip(!fs::exists(kShakespe
   TextDataset bytes(kShakespeare, {.block_size = 256});
   CHECK(bytes.decode(as_ints(bytes.get(0).input)) == text.substr(0, 256));
 }
+
+TEST_CASE("collate counts only the class labels that carry loss") {
+  // A sample labelled ignore_index carries no loss in cross_entropy; counting it would give its
+  // micro-batch too large a share of an accumulation window (Note [Batch items]).
+  std::vector<Example> ex;
+  for (std::int64_t label : {3, -100, 0, -100})
+    ex.push_back({zeros({2}), scalar_tensor(static_cast<double>(label), {.dtype = DType::i64})});
+  CHECK(collate(ex).num_items == 2);
+  CHECK(collate(ex, {.ignore_index = 3}).num_items == 3);
+  // Soft labels (a distribution per sample) all carry loss.
+  std::vector<Example> soft = {{zeros({2}), from_vector({0.5, 0.5}, {2})},
+                               {zeros({2}), from_vector({1.0, 0.0}, {2})}};
+  CHECK(collate(soft).num_items == 2);
+}
+
+TEST_CASE("DataLoader: a batch size near the int64 limit is one batch of everything") {
+  // (n + b - 1) / b overflowed: 0 batches, and an evaluation that silently reported loss 0.
+  IndexDataset data(10);
+  for (std::int64_t b : {std::numeric_limits<std::int64_t>::max(),
+                         std::numeric_limits<std::int64_t>::max() - 5}) {
+    CAPTURE(b);
+    DataLoader loader(data, {.batch_size = b});
+    CHECK(loader.num_batches() == 1);
+    const auto batches = drain(loader);
+    REQUIRE(batches.size() == 1u);
+    CHECK(batches[0].size() == 10u);
+  }
+}
+
+TEST_CASE("collate refuses a padding value that the labels' dtype cannot hold") {
+  // -100 in u8 would become 156 and count as a real label.
+  std::vector<Example> ex = {{zeros({3}), from_vector({1, 2, 3}, {3}, {.dtype = DType::u8})},
+                             {zeros({1}), from_vector({4}, {1}, {.dtype = DType::u8})}};
+  expect_error([&] { collate(ex); },
+               {"[collate] the label padding value -100 is not a value of their dtype u8"});
+  CHECK(collate(ex, {.ignore_index = 255}).num_items == 4);
+  for (Example& e : ex) e.label = e.label.to(DType::i32);
+  expect_error([&] { collate(ex, {.ignore_index = 5000000000}); },
+               {"[collate] the label padding value 5000000000 is not a value of their dtype i32"});
+  CHECK(collate(ex).num_items == 4);
+}
+
+TEST_CASE("FashionMNIST refuses a folder or a FIFO where an IDX file belongs") {
+  TempDir dir;
+  fs::create_directories(dir.path / "train-images-idx3-ubyte.gz");
+  expect_error([&] { FashionMNIST(dir.path.string(), Split::Train); },
+               {"[FashionMNIST] " + dir.file("train-images-idx3-ubyte.gz") + " is not a regular file"});
+  fs::remove(dir.path / "train-images-idx3-ubyte.gz");
+  // gzopen waited for a writer: the check runs in a child that a hang cannot stall.
+  REQUIRE(::mkfifo(dir.file("train-images-idx3-ubyte.gz").c_str(), 0600) == 0);
+  const std::string report = run_in_child(
+      [&] {
+        FashionMNIST(dir.path.string(), Split::Train);
+        return std::string("accepted");
+      },
+      {.seconds = 5});
+  CHECK(report == "Error: [FashionMNIST] " + dir.file("train-images-idx3-ubyte.gz") +
+                      " is not a regular file");
+}

@@ -531,6 +531,9 @@ TEST_CASE("TrainingArguments: out-of-range numbers, deep values and overflowing 
   check_throws_with([&] { from(R"({"max_steps": 1e19})"); }, "'max_steps' is out of range: 1e+19");
   check_throws_with([&] { from(R"({"max_steps": 18446744073709551615})"); }, "'max_steps' is out of range");
   check_throws_with([&] { from(R"({"seed": 1e20})"); }, "'seed' is out of range");
+  // Below the range too: casting -1e300 to int64 is undefined (it read as INT64_MIN).
+  check_throws_with([&] { from(R"({"warmup_steps": -1e300})"); }, "'warmup_steps' is out of range: -1e+300");
+  check_throws_with([&] { from(R"({"max_steps": -1e300})"); }, "'max_steps' is out of range");
   // A value nested 200,000 deep: named by its type, never printed whole.
   const std::string deep = std::string(200000, '[') + std::string(200000, ']');
   check_throws_with([&] { from(R"({"max_steps": )" + deep + "}"); }, "'max_steps' has the wrong type: a JSON array");
