@@ -11,6 +11,9 @@ namespace microbatch::examples {
 
 std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
                                    ExampleConfig config) {
+  MB_CHECK(config.gradient_accumulation_steps >= 1,
+           "[train_raw_loop] gradient_accumulation_steps must be >= 1, got {}",
+           config.gradient_accumulation_steps);
   model.to(config.device);  // before the arenas are built: they are made where the parameters are
   optim::ParamStore store(model);
   optim::AdamW optimizer(store, {.lr = config.learning_rate});
@@ -41,8 +44,11 @@ std::vector<double> train_raw_loop(nn::Model& model, const train::Dataset& data,
       const train::Batch batch = host_batch.to(config.device);  // collated on the host, one copy
       // Only the loss is kept: with the logits gone, its backward writes their gradient over them.
       Tensor loss = model(batch.inputs, batch.labels).loss;
-      GradWeightGuard weight(static_cast<double>(batch.num_items) /
-                             static_cast<double>(window_items));
+      // A window whose labels are all ignore_index has no items: its gradients count for nothing
+      // (0, not 0 / 0 = NaN, which would poison every gradient), as in the Accelerator.
+      GradWeightGuard weight(window_items > 0 ? static_cast<double>(batch.num_items) /
+                                                    static_cast<double>(window_items)
+                                              : 0.0);
       loss.backward();
       losses.push_back(loss.detach());
     }

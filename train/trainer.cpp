@@ -632,9 +632,9 @@ TrainOutput Trainer::train() {
     } else {
       chunks = split_window(indices, plan_.micro_batch_size);
     }
-    auto items_of = [&](const Chunk& c) -> std::int64_t {
-      return token_labels ? loader.batch_for(c).num_items : static_cast<std::int64_t>(c.size());
-    };
+    // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not
+    // ignore_index; a sample labelled -100 does not count, so the weights still sum to 1.
+    auto items_of = [&](const Chunk& c) -> std::int64_t { return loader.batch_for(c).num_items; };
     std::int64_t window_items = 0;
     for (const Chunk& c : chunks) window_items += items_of(c);
 
@@ -658,7 +658,9 @@ TrainOutput Trainer::train() {
           // scaled gradient flows into the 16-bit graph.
           o.loss.backward(boundary.backward_seed(o.loss));
         }
-        window_loss.add(o.loss, w);
+        // A micro-batch with no loss-bearing label has a NaN mean loss (as torch's) and weight 0:
+        // it adds nothing to the window's loss, rather than 0 * NaN.
+        if (b.num_items > 0) window_loss.add(o.loss, w);
         window_tokens += token_labels ? b.num_items : 0;
         ++micro_batches;
       } catch (const OutOfMemoryError& e) {
@@ -827,7 +829,8 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       while (auto host_batch = loader.next()) {
         const Batch batch = host_batch->to(device_);
         nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
-        loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
+        // A batch with no loss-bearing label has a NaN mean loss and no weight in the mean.
+        if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
         items += batch.num_items;
         token_labels = batch.labels.dim() > 1;
         if (collect) {  // held on the host: compute_metrics reads them there

@@ -1053,3 +1053,52 @@ TEST_CASE("the command: check-accumulation --json prints JSON lines only") {
   CHECK(naive < static_cast<int>(rows.size()) - 1);  // the rows without the figure leave it out
 }
 #endif
+
+TEST_CASE("Trainer: samples labelled -100 carry no loss and no weight, whatever the split") {
+  // 16 samples of which only 2 carry a label: most micro-batches of the smaller splits have no
+  // loss-bearing sample (a NaN mean loss of weight 0). The window's weights must still sum to one
+  // over the 2 that count, and no split may log anything but the full batch's loss.
+  manual_seed(3);
+  Tensor x = rand({16, 28, 28});
+  std::vector<double> y(16, -100.0);
+  y[5] = 3;
+  y[11] = 7;
+  TensorDataset data(x, from_vector(y, {16}, {.dtype = DType::i64}));
+  std::vector<std::vector<double>> weights;
+  std::vector<double> logged;
+  double expected = 0.0;
+  for (std::int64_t micro : {16, 8, 4, 1}) {
+    CAPTURE(micro);
+    TempDir dir;
+    TrainingArguments a = small_run(dir.path);
+    a.per_device_train_batch_size = micro;
+    a.gradient_accumulation_steps = 16 / micro;
+    a.max_steps = 1;
+    a.per_device_eval_batch_size = micro;  // evaluation batches with no labelled sample too
+    std::ostringstream sink;
+    Trainer trainer(small_mlp(), a, data, &data, ComputeMetrics());
+    trainer.set_log_stream(&sink);
+    {
+      NoGradGuard no_grad;  // the initial model's loss over the 2 labelled samples
+      expected = trainer.model()(x, from_vector(y, {16}, {.dtype = DType::i64})).loss.item();
+    }
+    CHECK(trainer.evaluate().at("eval_loss") == doctest::Approx(expected).epsilon(1e-6));
+    trainer.train();
+    const std::vector<nlohmann::json> lines = step_lines(dir.path);
+    REQUIRE(lines.size() == 1);
+    REQUIRE(lines[0]["loss"].is_number());
+    logged.push_back(lines[0]["loss"].get<double>());
+    CHECK(logged.back() == doctest::Approx(expected).epsilon(1e-6));
+    std::vector<double> w;
+    for (auto& [name, t] : trainer.model().named_parameters())
+      for (double v : t.to_vector()) w.push_back(v);
+    weights.push_back(w);
+  }
+  for (std::size_t s = 1; s < weights.size(); ++s) {
+    CAPTURE(s);
+    double diff = 0.0;
+    for (std::size_t i = 0; i < weights[0].size(); ++i)
+      diff = std::max(diff, std::abs(weights[s][i] - weights[0][i]));
+    CHECK(diff < 1e-6);
+  }
+}
