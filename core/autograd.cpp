@@ -78,7 +78,8 @@ AccumulateGrad::AccumulateGrad(const std::shared_ptr<TensorImpl>& leaf)
 std::vector<Tensor> AccumulateGrad::apply(std::vector<Tensor> grad_outputs) {
   auto leaf_impl = leaf_.lock();
   const Tensor& g = grad_outputs[0];
-  if (!leaf_impl || !g.defined()) return {};
+  // A leaf whose requires_grad was turned off after the forward takes no gradient (as torch's).
+  if (!leaf_impl || !leaf_impl->requires_grad || !g.defined()) return {};
   Tensor leaf(leaf_impl);
   MB_ASSERT(g.shape() == leaf.shape(), "gradient shape {} for a leaf of shape {}",
             shape_str(g.shape()), shape_str(leaf.shape()));
@@ -282,6 +283,9 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
     } else {
       MB_CHECK(g.shape() == r.shape(), "[backward] gradient shape {} differs from output shape {}",
                shape_str(g.shape()), shape_str(r.shape()));
+      MB_CHECK(g.device() == r.device(), "[backward] gradient on {} for an output on {}",
+               g.device().str(), r.device().str());
+      if (g.dtype() != r.dtype()) g = g.to(r.dtype());  // as torch: the output's dtype
     }
     Edge e = gradient_edge(r);
     root_edges.push_back(e);
@@ -388,9 +392,20 @@ std::vector<Tensor> grad(std::vector<Tensor> roots, std::vector<Tensor> grad_roo
     MB_CHECK(t.defined() && t.requires_grad() && t.is_leaf(),
              "[grad] inputs must be leaf tensors that require grad");
   }
+  // An input named twice gets its gradient at every place it is named (one capture per leaf).
+  std::vector<Tensor> unique;
+  std::vector<std::size_t> place;  // inputs[i] is unique[place[i]]
+  for (const Tensor& t : inputs) {
+    std::size_t j = 0;
+    while (j < unique.size() && unique[j].impl() != t.impl()) ++j;
+    if (j == unique.size()) unique.push_back(t);
+    place.push_back(j);
+  }
   std::vector<Tensor> captured;
-  execute(std::move(roots), std::move(grad_roots), options, &inputs, &captured);
-  return captured;
+  execute(std::move(roots), std::move(grad_roots), options, &unique, &captured);
+  std::vector<Tensor> out;
+  for (std::size_t j : place) out.push_back(captured[j]);
+  return out;
 }
 
 }  // namespace microbatch

@@ -17,6 +17,11 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
   {
     NoGradGuard no_grad;
     outputs = fn(inputs);
+    // Each output gets its own handle on its memory: fn may return an input, or a tensor it
+    // captured (a parameter), as is, and that tensor itself must not become this node's output
+    // (a leaf would stop being one, and hold its own node: a cycle that is never freed).
+    for (Tensor& o : outputs)
+      if (o.defined()) o = o.detach();
   }
   std::vector<SavedTensor> saved;
   std::vector<Edge> edges;

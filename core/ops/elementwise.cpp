@@ -125,14 +125,19 @@ Tensor sub(const Tensor& a, const Tensor& b) {
   return out;
 }
 
+// Note [Saving only what a gradient reads]: as torch, a product saves each operand only for the
+// other's gradient (da = g * b reads b, db = g * a reads a): `x * 2.0` keeps nothing of x, and a
+// constant's product keeps the activation it multiplies alive only when the constant requires
+// grad. An operand that is not saved may change in place before backward without an error, and
+// its memory is freed as soon as nothing else holds it. div, matmul and linear follow the rule.
 Tensor mul(const Tensor& a, const Tensor& b) {
   Tensor out = binary_kernel("mul", BinaryOp::Mul, a, b);
+  const bool ra = a.requires_grad(), rb = b.requires_grad();
   record("mul", {a, b}, out,
-         [sa = SavedTensor(a, "mul"), sb = SavedTensor(b, "mul"), ra = a.requires_grad(),
-          rb = b.requires_grad()](const Tensor& g) {
-           Tensor x = sa.get(), y = sb.get();
-           return std::vector<Tensor>{ra ? reduce_grad(g * y, x) : Tensor(),
-                                      rb ? reduce_grad(g * x, y) : Tensor()};
+         [sa = rb ? SavedTensor(a, "mul") : SavedTensor(), sb = ra ? SavedTensor(b, "mul") : SavedTensor(),
+          ma = meta_of(a), mb = meta_of(b)](const Tensor& g) {
+           return std::vector<Tensor>{ma.requires_grad ? reduce_grad(g * sb.get(), ma) : Tensor(),
+                                      mb.requires_grad ? reduce_grad(g * sa.get(), mb) : Tensor()};
          });
   return out;
 }
@@ -144,11 +149,13 @@ Tensor div(const Tensor& a, const Tensor& b) {
     return div(a.to(DType::f32), b.to(DType::f32));
   }
   Tensor out = binary_kernel("div", BinaryOp::Div, a, b);
+  // da = g / b reads b; db = -g a / b^2 reads both (Note [Saving only what a gradient reads]).
   record("div", {a, b}, out,
-         [sa = SavedTensor(a, "div"), sb = SavedTensor(b, "div"), rb = b.requires_grad()](const Tensor& g) {
-           Tensor x = sa.get(), y = sb.get();
-           Tensor da = reduce_grad(g / y, x);
-           Tensor db = rb ? reduce_grad(neg(g) * x / (y * y), y) : Tensor();
+         [sa = b.requires_grad() ? SavedTensor(a, "div") : SavedTensor(), sb = SavedTensor(b, "div"),
+          ma = meta_of(a), mb = meta_of(b)](const Tensor& g) {
+           const Tensor y = sb.get();
+           Tensor da = reduce_grad(g / y, ma);
+           Tensor db = mb.requires_grad ? reduce_grad(neg(g) * sa.get() / (y * y), mb) : Tensor();
            return std::vector<Tensor>{da, db};
          });
   return out;

@@ -93,18 +93,20 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
         });
     if (!o.same_storage(out)) out.copy_(o);
   }
+  // da = g b^T reads b, db = a^T g reads a (Note [Saving only what a gradient reads]).
+  const bool ra = a.requires_grad(), rb = b.requires_grad();
   record("matmul", {a, b}, out,
-         [sa = SavedTensor(a, "matmul"), sb = SavedTensor(b, "matmul"), ra = a.requires_grad(),
-          rb = b.requires_grad()](const Tensor& g) {
-           Tensor x = sa.get(), y = sb.get();
+         [sa = rb ? SavedTensor(a, "matmul") : SavedTensor(),
+          sb = ra ? SavedTensor(b, "matmul") : SavedTensor(), ra, rb, a_batch = a.shape()[0],
+          b_batch = b.shape()[0]](const Tensor& g) {
            Tensor da, db;
            if (ra) {
-             da = bmm(g, y.transpose(1, 2));
-             if (x.shape()[0] == 1 && da.shape()[0] != 1) da = sum(da, {0}, {.keepdim = true});
+             da = bmm(g, sb.get().transpose(1, 2));
+             if (a_batch == 1 && da.shape()[0] != 1) da = sum(da, {0}, {.keepdim = true});
            }
            if (rb) {
-             db = bmm(x.transpose(1, 2), g);
-             if (y.shape()[0] == 1 && db.shape()[0] != 1) db = sum(db, {0}, {.keepdim = true});
+             db = bmm(sa.get().transpose(1, 2), g);
+             if (b_batch == 1 && db.shape()[0] != 1) db = sum(db, {0}, {.keepdim = true});
            }
            return std::vector<Tensor>{da, db};
          });
@@ -230,7 +232,8 @@ std::pair<Tensor, Tensor> linear_param_grads(const Tensor& g2, const Tensor& x2,
                                              const Tensor& b, bool rw, bool rb) {
   Tensor dw, db;
   if (rw) {
-    Tensor grad = w.grad();
+    // w is the weight's leaf, or undefined for a weight that is not one (it has no slot).
+    Tensor grad = w.defined() ? w.grad() : Tensor();
     // Meta takes this path too, so that its allocations (no dw temporary) match the backend it
     // mirrors.
     const std::optional<DType> operands =
@@ -314,16 +317,20 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
         });
     if (!o.same_storage(out)) out.copy_(o);
   }
+  // dx reads the weight and dweight the input (Note [Saving only what a gradient reads]): a frozen
+  // weight's linear keeps no activation, and a linear of data keeps no weight; the weight's
+  // gradient slot is reached through its leaf.
+  const bool rx = x.requires_grad(), rw = weight.requires_grad();
   record("linear", {x, weight, bias}, out,
-         [sx = SavedTensor(x, "linear"), sw = SavedTensor(weight, "linear"), x_shape = x.shape(),
-          b = grad_leaf(bias), rx = x.requires_grad(), rw = weight.requires_grad(),
+         [sx = rw ? SavedTensor(x, "linear") : SavedTensor(),
+          sw = rx ? SavedTensor(weight, "linear") : SavedTensor(), wl = grad_leaf(weight),
+          x_shape = x.shape(), b = grad_leaf(bias), rx, rw,
           rb = bias.defined() && bias.requires_grad(), m, n, k](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
-           Tensor w = sw.get();
            Tensor dx;
-           if (rx) dx = matmul(g2, w).reshape(x_shape);
+           if (rx) dx = matmul(g2, sw.get()).reshape(x_shape);
            auto [dw, db] =
-               linear_param_grads(g2, rw ? sx.get().reshape({m, k}) : Tensor(), w, b, rw, rb);
+               linear_param_grads(g2, rw ? sx.get().reshape({m, k}) : Tensor(), wl, b, rw, rb);
            return std::vector<Tensor>{dx, dw, db};
          });
   return out.reshape(out_shape);

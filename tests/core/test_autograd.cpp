@@ -493,3 +493,101 @@ TEST_CASE("checkpoint re-draws the same dropout mask during backward") {
   CHECK(dropped < 108);
   default_generator().set_state(saved);
 }
+
+TEST_CASE("ops save only the operands their gradients read, as torch") {
+  // Note [Saving only what a gradient reads]: an operand that is not saved may change before
+  // backward, and the gradients are those of the values at the forward.
+  const Tensor data = from_vector({1, 2, 3}, {3}, {.dtype = DType::f64});
+  {
+    Tensor w = leaf({4, 5, 6}, {3});
+    Tensor y = sum(data * w);  // dw = data: w is not read
+    { NoGradGuard no_grad; w.fill_(0.0); }
+    y.backward();
+    CHECK(w.grad().to_vector() == std::vector<double>{1, 2, 3});
+  }
+  {
+    Tensor w = leaf({4, 5, 6}, {3});
+    Tensor d = from_vector({4, 5, 8}, {3}, {.dtype = DType::f64});
+    Tensor y = sum(w / d);  // dw = 1 / d
+    { NoGradGuard no_grad; w.fill_(0.0); }
+    y.backward();
+    CHECK(w.grad().to_vector() == std::vector<double>{0.25, 0.2, 0.125});
+  }
+  for (bool as_linear : {true, false}) {
+    CAPTURE(as_linear);
+    Tensor w = leaf({1, 2, 3, 4}, {2, 2});
+    Tensor x = from_vector({1, 2, 3, 4, 5, 6}, {3, 2}, {.dtype = DType::f64});
+    Tensor y = sum(as_linear ? linear(x, w) : matmul(x, w));  // dw reads x only
+    { NoGradGuard no_grad; w.fill_(0.0); }
+    y.backward();
+    // linear: dW[o][i] = sum_rows x[:, i]; matmul: dW[i][o] = sum_rows x[:, i]
+    CHECK(w.grad().to_vector() == (as_linear ? std::vector<double>{9, 12, 9, 12}
+                                             : std::vector<double>{9, 9, 12, 12}));
+  }
+  // What is read is still checked: x * w with both requiring grad saves both.
+  Tensor a = leaf({1, 2}, {2}), b = leaf({3, 4}, {2});
+  Tensor y = sum(a * b);
+  { NoGradGuard no_grad; a.fill_(0.0); }
+  check_throws_with([&] { y.backward(); }, "modified in place");
+  // An activation multiplied by a constant is not kept for the product's backward.
+  Tensor x = leaf(std::vector<double>(100000, 1.0), {100000});
+  const Tensor c = full({100000}, 2.0, {.dtype = DType::f64});
+  const std::int64_t before = memory_stats(kCPU).allocated.current;
+  Tensor z;
+  {
+    Tensor h = x + 1.0;  // add saves nothing; mul by a constant saves only the constant
+    z = h * c;
+  }
+  // z's block alone (rounded up to the allocator's block size): h, as large, was freed.
+  const auto live = static_cast<std::size_t>(memory_stats(kCPU).allocated.current - before);
+  CHECK(live >= z.storage()->nbytes);
+  CHECK(live < 2 * z.storage()->nbytes);
+}
+
+TEST_CASE("a leaf whose requires_grad was turned off after the forward takes no gradient") {
+  for (bool as_linear : {true, false}) {
+    CAPTURE(as_linear);
+    Tensor w = leaf({1, 2, 3, 4}, {2, 2});
+    w.set_grad(zeros({2, 2}, {.dtype = DType::f64}));
+    Tensor x = from_vector({1, 2, 3, 4}, {2, 2}, {.dtype = DType::f64});
+    Tensor y = sum(as_linear ? linear(x, w) : w * 3.0);
+    w.requires_grad_(false);
+    y.backward();
+    CHECK(w.grad().to_vector() == std::vector<double>{0, 0, 0, 0});
+  }
+}
+
+TEST_CASE("grad() gives an input named twice its gradient at both places") {
+  Tensor x = leaf({1, 2, 3}, {3}), u = leaf({1, 1, 1}, {3});
+  Tensor w = from_vector({2, 2, 2}, {3}, {.dtype = DType::f64});
+  const std::vector<Tensor> g = grad({sum(x * w * x)}, {Tensor()}, {x, u, x});
+  REQUIRE(g.size() == 3);
+  REQUIRE(g[0].defined());
+  CHECK(g[0].to_vector() == std::vector<double>{4, 8, 12});  // 2 w x
+  CHECK_FALSE(g[1].defined());                                 // not reached
+  CHECK(g[2].to_vector() == g[0].to_vector());
+}
+
+TEST_CASE("an explicit root gradient of another dtype is cast to the output's, as torch") {
+  Tensor w = leaf({1, 2, 3, 4}, {2, 2}, DType::f32);
+  Tensor x = from_vector({1, 2}, {1, 2}, {.dtype = DType::f32});
+  Tensor y = linear(x, w);
+  y.backward(ones({1, 2}, {.dtype = DType::f64}));
+  CHECK(w.grad().dtype() == DType::f32);
+  CHECK(w.grad().to_vector() == std::vector<double>{1, 2, 1, 2});
+}
+
+TEST_CASE("checkpoint: an output that is an input, as is, leaves the input a leaf") {
+  const std::int64_t before = memory_stats(kCPU).allocated.current;
+  {
+    Tensor x = leaf(std::vector<double>(1000, 0.5), {1000});
+    std::vector<Tensor> o = checkpoint(
+        [](const std::vector<Tensor>& in) { return std::vector<Tensor>{in[0] * 2.0, in[0]}; }, {x});
+    CHECK(x.is_leaf());
+    CHECK(o[1].impl() != x.impl());
+    (sum(o[0]) + sum(o[1])).backward();
+    CHECK(x.grad().to_vector() == std::vector<double>(1000, 3.0));
+    x.requires_grad_(false);  // a leaf's, allowed
+  }
+  CHECK(memory_stats(kCPU).allocated.current == before);  // no cycle keeps x alive
+}
