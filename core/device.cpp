@@ -1,6 +1,7 @@
 #include "core/device.h"
 
 #include <charconv>
+#include <cmath>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -77,6 +78,21 @@ bool is_floating(DType dt) {
 }
 
 bool is_integer(DType dt) { return !is_floating(dt) && dt != DType::boolean; }
+
+bool holds_value(DType dt, double v) {
+  switch (dt) {
+    case DType::boolean:
+      return v == 0.0 || v == 1.0;
+    case DType::u8:
+      return v == std::floor(v) && v >= 0.0 && v <= 255.0;
+    case DType::i32:
+      return v == std::floor(v) && v >= -2147483648.0 && v <= 2147483647.0;
+    case DType::i64:
+      return v == std::floor(v) && v >= -9223372036854775808.0 && v < 9223372036854775808.0;
+    default:
+      return true;  // floating
+  }
+}
 
 bool is_16bit_float(DType dt) { return dt == DType::f16 || dt == DType::bf16; }
 

@@ -22,6 +22,9 @@ DType parse_dtype(const std::string& name);
 bool is_floating(DType dt);
 /// i32, i64 and u8 (not bool).
 bool is_integer(DType dt);
+/// Whether v is exactly one of dt's values: any v for floating dtypes; a whole number in range for
+/// integer ones (255 fits u8, -100 does not); 0 or 1 for bool.
+bool holds_value(DType dt, double v);
 bool is_16bit_float(DType dt);
 /// The dtype both operands of a binary op are promoted to (float beats int, wider beats narrower).
 DType promote_types(DType a, DType b);

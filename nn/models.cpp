@@ -4,13 +4,16 @@
 
 namespace microbatch::nn {
 
+std::int64_t Model::count_not_ignored(const Tensor& labels, std::int64_t ignore_index) {
+  const Tensor ignored =
+      scalar_tensor(static_cast<double>(ignore_index), {.dtype = labels.dtype(), .device = labels.device()});
+  return static_cast<std::int64_t>(sum(ne(labels, ignored).to(DType::i64)).item());
+}
+
 std::int64_t Model::count_loss_items(const Tensor& labels) const {
   // Class indices equal to the loss's ignore_index (-100, classify's) carry no loss, as torch's
   // cross_entropy and Hugging Face's token counts treat them; soft (floating) labels all do.
-  if (is_integer(labels.dtype())) {
-    const Tensor ignored = scalar_tensor(-100.0, {.dtype = labels.dtype(), .device = labels.device()});
-    return static_cast<std::int64_t>(sum(ne(labels, ignored).to(DType::i64)).item());
-  }
+  if (is_integer(labels.dtype())) return count_not_ignored(labels, -100);
   return labels.dim() == 0 ? 1 : labels.shape()[0];
 }
 
@@ -225,10 +228,7 @@ ModelOutput GPT::forward(const Tensor& inputs, const Tensor& labels) {
 }
 
 std::int64_t GPT::count_loss_items(const Tensor& labels) const {
-  return static_cast<std::int64_t>(sum(ne(labels, scalar_tensor(static_cast<double>(config.ignore_index),
-                                                                {.dtype = labels.dtype()}))
-                                           .to(DType::i64))
-                                       .item());
+  return count_not_ignored(labels, config.ignore_index);
 }
 
 }  // namespace microbatch::nn

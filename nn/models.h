@@ -20,12 +20,16 @@ class Model : public Module {
  public:
   virtual ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) = 0;
   ModelOutput operator()(const Tensor& inputs, const Tensor& labels = {}) { return forward(inputs, labels); }
-  /// Items that carry loss in `labels` (samples, or tokens != ignore_index): the weight of a
+  /// Items that carry loss in `labels` (samples or tokens != ignore_index): the weight of a
   /// micro-batch in an accumulation window is its share of these.
   virtual std::int64_t count_loss_items(const Tensor& labels) const;
   /// Recompute activations in backward instead of keeping them (trades compute for memory).
   virtual void set_gradient_checkpointing(bool on) = 0;
   virtual bool gradient_checkpointing() const = 0;
+
+ protected:
+  /// The entries of integer `labels` other than ignore_index.
+  static std::int64_t count_not_ignored(const Tensor& labels, std::int64_t ignore_index);
 };
 
 struct MLPConfig {

@@ -1,7 +1,5 @@
 #include "optim/optimizer.h"
 
-#include <cmath>
-
 #include "core/ops/dispatch.h"
 #include "kernels/optim.h"
 
@@ -22,15 +20,17 @@ Tensor state_tensor(const std::map<std::string, Tensor>& state, const std::strin
 }
 }  // namespace
 
-std::int64_t Optimizer::saved_step(const std::map<std::string, Tensor>& state, const char* op) {
-  auto it = state.find("step");
-  MB_CHECK(it != state.end(), "[{}] state has no 'step'", op);
-  MB_CHECK(it->second.numel() == 1, "[{}] state 'step' must hold one value, got shape {}", op,
+std::int64_t saved_count(const std::map<std::string, Tensor>& state, const char* name,
+                         const char* op) {
+  auto it = state.find(name);
+  MB_CHECK(it != state.end(), "[{}] state has no '{}'", op, name);
+  MB_CHECK(it->second.numel() == 1, "[{}] state '{}' must hold one value, got shape {}", op, name,
            shape_str(it->second.shape()));
   const double v = it->second.item();
-  // A step of 0 in AdamW's bias correction divides by zero, and a NaN cast to int64 is undefined.
-  MB_CHECK(std::isfinite(v) && v >= 0 && v == std::floor(v) && v < 9223372036854775808.0,
-           "[{}] state 'step' must be a whole number >= 0, got {}", op, v);
+  // A negative step puts AdamW's bias correction at 1 - beta^0 = 0, and a NaN cast to int64 is
+  // undefined.
+  MB_CHECK(holds_value(DType::i64, v) && v >= 0,
+           "[{}] state '{}' must be a whole number >= 0, got {}", op, name, v);
   return static_cast<std::int64_t>(v);
 }
 
@@ -108,7 +108,7 @@ void AdamW::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
   exp_avg_.copy_(state_tensor(state, "exp_avg", exp_avg_, "AdamW"));
   exp_avg_sq_.copy_(state_tensor(state, "exp_avg_sq", exp_avg_sq_, "AdamW"));
-  step_count_ = saved_step(state, "AdamW");
+  step_count_ = saved_count(state, "step", "AdamW");
 }
 
 SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config) {
@@ -167,7 +167,7 @@ void SGD::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
   if (momentum_buffer_.defined())
     momentum_buffer_.copy_(state_tensor(state, "momentum_buffer", momentum_buffer_, "SGD"));
-  step_count_ = saved_step(state, "SGD");
+  step_count_ = saved_count(state, "step", "SGD");
 }
 
 }  // namespace microbatch::optim

@@ -11,6 +11,11 @@
 
 namespace microbatch::optim {
 
+/// A count (a step number) in a state_dict read from a checkpoint: one whole number >= 0 that an
+/// int64 holds. Throws naming `op` and `name` otherwise, and when the state has no such entry.
+std::int64_t saved_count(const std::map<std::string, Tensor>& state, const char* name,
+                         const char* op);
+
 /// Per-step inputs that the caller computes at the window's boundary.
 struct StepOptions {
   double grad_scale = 1.0;  // multiplies every gradient: 1 / loss_scale * clip_coef
@@ -50,10 +55,6 @@ class Optimizer {
   ParamStore& store() { return store_; }
 
  protected:
-  /// The step count in a state_dict: a whole number >= 0, read from a checkpoint (`op` names the
-  /// optimizer in the error).
-  static std::int64_t saved_step(const std::map<std::string, Tensor>& state, const char* op);
-
   ParamStore& store_;
   std::int64_t step_count_ = 0;
   std::optional<double> initial_lr_;

@@ -70,15 +70,13 @@ void LRScheduler::load_state_dict(const std::map<std::string, Tensor>& state) {
   auto steps = state.find("steps");
   auto base = state.find("base_lr");
   MB_CHECK(steps != state.end() && base != state.end(), "[LRScheduler] state needs 'steps' and 'base_lr'");
-  MB_CHECK(steps->second.numel() == 1 && base->second.numel() == 1,
-           "[LRScheduler] state 'steps' and 'base_lr' must hold one value each");
-  const double n = steps->second.item(), lr = base->second.item();
-  MB_CHECK(std::isfinite(n) && n >= 0 && n == std::floor(n) && n < 9223372036854775808.0,
-           "[LRScheduler] state 'steps' must be a whole number >= 0, got {}", n);
+  const std::int64_t n = saved_count(state, "steps", "LRScheduler");
+  MB_CHECK(base->second.numel() == 1, "[LRScheduler] state 'base_lr' must hold one value");
+  const double lr = base->second.item();
   MB_CHECK(std::isfinite(lr) && lr >= 0, "[LRScheduler] state 'base_lr' must be a finite lr >= 0, got {}",
            lr);
   base_lr_ = lr;
-  set_steps(static_cast<std::int64_t>(n));
+  set_steps(n);
 }
 
 }  // namespace microbatch::optim

@@ -2,9 +2,7 @@
 #include "train/data.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <numeric>
 #include <random>
 #include <type_traits>
@@ -48,20 +46,6 @@ Example TensorDataset::get(std::int64_t index) const {
 
 namespace {
 
-
-// Whether v is exactly a value of dt (any value for floating dtypes).
-bool holds_value(DType dt, double v) {
-  return dispatch_all(dt, [&]<class T>() {
-    if constexpr (std::is_same_v<T, bool>) {
-      return v == 0.0 || v == 1.0;
-    } else if constexpr (std::is_integral_v<T>) {
-      return v == std::floor(v) && v >= static_cast<double>(std::numeric_limits<T>::lowest()) &&
-             v < std::ldexp(1.0, std::numeric_limits<T>::digits);
-    } else {
-      return true;
-    }
-  });
-}
 
 // Stacks one field (input or label) of every example into (B, ...); 1-d fields of different
 // lengths become (B, L_max) with the tail of each row set to `fill`.
@@ -219,12 +203,9 @@ void DataLoader::set_state(LoaderState state) {
       order_.resize(static_cast<std::size_t>(n));
       std::iota(order_.begin(), order_.end(), 0);
     }
-  } catch (const std::bad_alloc&) {
-    MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices)", n,
-             static_cast<double>(n) * sizeof(std::int64_t));
-  } catch (const std::length_error&) {
-    MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices)", n,
-             static_cast<double>(n) * sizeof(std::int64_t));
+  } catch (const std::exception& e) {  // std::bad_alloc, or std::length_error past max_size()
+    MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices): {}",
+             n, static_cast<double>(n) * sizeof(std::int64_t), e.what());
   }
 }
 

@@ -50,18 +50,6 @@ Tensor binary_kernel(const char* op, BinaryOp kind, const Tensor& a, const Tenso
   return out;
 }
 
-// Whether the integral value v is one of dt's (an integer dtype's) values.
-bool fits_integer(double v, DType dt) {
-  switch (dt) {
-    case DType::u8:
-      return v >= 0.0 && v <= 255.0;
-    case DType::i32:
-      return v >= -2147483648.0 && v <= 2147483647.0;
-    default:
-      return v >= -9223372036854775808.0 && v < 9223372036854775808.0;  // i64
-  }
-}
-
 // Note [Scalar operands]: a C++ scalar becomes a 0-d tensor for an op (`op`) with t. A double
 // cannot tell 2 from 2.0, so with an integer or bool tensor a finite integral value acts as a
 // Python int (an integer tensor keeps its dtype, so index arithmetic stays exact; bool takes i64,
@@ -74,7 +62,7 @@ Tensor scalar_like(double v, const Tensor& t, const char* op) {
     if (!std::isfinite(v) || v != std::floor(v)) {
       dt = DType::f32;
     } else {
-      MB_CHECK(fits_integer(v, dt),
+      MB_CHECK(holds_value(dt, v),
                "[{}] the scalar {} does not fit in the tensor's dtype {}; convert the tensor to a "
                "wider or floating dtype first",
                op, v, dtype_name(t.dtype()));

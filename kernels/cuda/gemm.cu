@@ -192,6 +192,11 @@ struct NotOffered {
   StridedView c;
 };
 std::optional<NotOffered> g_not_offered;
+// Makes `why` (a refusal's describe_refusal) what lt_last_refusal reports; g_lt_mutex held.
+void remember_refusal(const std::string& why) {
+  g_not_offered.reset();
+  g_lt_refusal = why;
+}
 
 // Whether the bias epilogue is wanted: on unless MB_CUBLASLT_EPILOGUE is "0" (read once).
 bool& epilogue_wanted() {
@@ -367,8 +372,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
     if (it != lt_algos().end()) {
       choice = it->second;
       if (!choice.ok) {  // this call is the last one declined now
-        g_not_offered.reset();
-        g_lt_refusal = choice.refusal;
+        remember_refusal(choice.refusal);
       }
     } else {
       MB_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&d.pref));
@@ -398,8 +402,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
                           : found > 0                     ? cublas_status_name(result.state)
                                                           : "no algorithm";
         choice.refusal = describe_refusal(why, key);
-        g_not_offered.reset();
-        g_lt_refusal = choice.refusal;
+        remember_refusal(choice.refusal);
       }
       lt_algos().emplace(key, choice);
     }
@@ -426,8 +429,7 @@ bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
   LtChoice& refused = lt_algos()[key];
   refused.ok = false;
   refused.refusal = describe_refusal(cublas_status_name(status), key);
-  g_not_offered.reset();
-  g_lt_refusal = refused.refusal;
+  remember_refusal(refused.refusal);
   return false;
 }
 

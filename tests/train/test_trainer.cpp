@@ -1,5 +1,6 @@
-// The Trainer: arguments, metrics, training under a memory budget (measured peak within it, same
-// result as an unlimited run), out-of-memory recovery, and kill-and-resume through the command.
+// The Trainer: metrics, training under a memory budget (measured peak within it, same result as an
+// unlimited run), out-of-memory recovery, checkpoints and kill-and-resume through the command
+// (the arguments and model configs alone are test_arguments.cpp's).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -87,42 +88,6 @@ ModelInit small_mlp() {
 
 }  // namespace
 
-TEST_CASE("memory sizes and the batch triad") {
-  CHECK(parse_bytes("512MiB") == 512LL << 20);
-  CHECK(parse_bytes("2GB") == 2000000000LL);
-  CHECK(parse_bytes("1.5GiB") == 3LL << 29);
-  CHECK(parse_bytes("4096") == 4096);
-  check_throws_with([] { parse_bytes("12 parsecs"); }, "unknown unit 'parsecs'");
-  check_throws_with([] { parse_bytes("lots"); }, "cannot read 'lots' as a size");
-
-  BatchTriad t = resolve_batch_triad({.per_device_train_batch_size = 8, .gradient_accumulation_steps = 4});
-  CHECK((t.effective == 32 && t.micro == 8 && t.accumulation == 4));
-  t = resolve_batch_triad({.per_device_train_batch_size = 8, .train_batch_size = 30});
-  CHECK((t.effective == 30 && t.micro == 8 && t.accumulation == 4));  // the last micro-batch holds 6
-  t = resolve_batch_triad({.per_device_train_batch_size = kAutoBatch, .train_batch_size = 256, .memory_budget = 1 << 20});
-  CHECK((t.effective == 256 && t.micro == 0));
-  check_throws_with([] { resolve_batch_triad({.per_device_train_batch_size = 8, .gradient_accumulation_steps = 3,
-                                              .train_batch_size = 32}); },
-                    "per_device_train_batch_size 8 x gradient_accumulation_steps 3 = 24 does not equal train_batch_size 32");
-  check_throws_with([] { TrainingArguments{.per_device_train_batch_size = kAutoBatch}.validate(); },
-                    "auto needs a memory_budget");
-}
-
-TEST_CASE("TrainingArguments from JSON: names, \"auto\", sizes, unknown keys refused") {
-  TrainingArguments a = TrainingArguments::from_json(nlohmann::json::parse(
-      R"({"per_device_train_batch_size": "auto", "train_batch_size": 64, "memory_budget": "8MiB",
-          "learning_rate": 0.01, "eval_strategy": "epoch", "save_total_limit": 2})"));
-  CHECK(a.per_device_train_batch_size == kAutoBatch);
-  CHECK(a.memory_budget == 8 << 20);
-  CHECK(a.learning_rate == 0.01);
-  CHECK(TrainingArguments::from_json(a.to_json()).to_json() == a.to_json());
-  check_throws_with([] { TrainingArguments::from_json(nlohmann::json::parse(R"({"learning_rat": 1})")); },
-                    "unknown argument 'learning_rat'");
-  check_throws_with([] { TrainingArguments::from_json(nlohmann::json::parse(R"({"max_steps": "ten"})")); },
-                    "'max_steps' has the wrong type");
-  check_throws_with([] { TrainingArguments{.eval_strategy = "sometimes"}.validate(); }, "eval_strategy must be");
-}
-
 TEST_CASE("classification metrics: accuracy and macro precision, recall, F1") {
   // Predictions 0, 1, 1, 2 for labels 0, 1, 2, 2.
   Tensor logits = from_vector({5, 0, 0, 0, 5, 0, 0, 5, 0, 0, 0, 5}, {4, 3});
@@ -198,6 +163,25 @@ TrainOutput quiet_train(const TrainingArguments& a, const Dataset& data, const D
 TrainingArguments small_run(const fs::path& dir) {
   return {.output_dir = dir.string(), .per_device_train_batch_size = 8, .gradient_accumulation_steps = 2,
           .num_train_epochs = 2, .learning_rate = 1e-3, .logging_steps = 1, .use_cpu = true};
+}
+
+// The checkpoint that a small_run of 2 steps on `data` saves into `dir`, loaded.
+CheckpointData two_step_checkpoint(const fs::path& dir, const Dataset& data) {
+  TrainingArguments a = small_run(dir);
+  a.max_steps = 2;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  quiet_train(a, data);
+  return load_checkpoint((dir / "checkpoint-2").string());
+}
+
+// Resumes a small_run of 4 steps on `data` from `edited`, written whole (CRCs included) as the
+// step-2 checkpoint of `out`, as anything that rewrites a checkpoint would.
+void resume_from(const CheckpointData& edited, const fs::path& out, const Dataset& data) {
+  TrainingArguments b = small_run(out);
+  b.max_steps = 4;
+  b.resume_from_checkpoint = save_checkpoint(out.string(), 2, edited, 0);
+  quiet_train(b, data);
 }
 }  // namespace
 
@@ -282,25 +266,14 @@ TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming
 }
 
 TEST_CASE("Trainer: a malformed trainer state names its field instead of aborting the run") {
-  // The checkpoint's CRCs are rewritten for the edited state, as anything that rewrites a
-  // checkpoint whole would: the fields themselves are what is checked.
+  // The checkpoint's CRCs are rewritten for the edited state: the fields themselves are checked.
   TempDir dir;
   TensorDataset train_set = synthetic_images(96, 1);
-  TrainingArguments a = small_run(dir.path / "run");
-  a.max_steps = 2;
-  a.save_strategy = "steps";
-  a.save_steps = 2;
-  quiet_train(a, train_set);
-  const CheckpointData good = load_checkpoint((dir.path / "run" / "checkpoint-2").string());
+  const CheckpointData good = two_step_checkpoint(dir.path / "run", train_set);
   auto resume_with = [&](const char* field, nlohmann::json value) {
     CheckpointData edited = good;
     edited.trainer_state[field] = std::move(value);
-    const fs::path out = dir.path / field;
-    const std::string path = save_checkpoint(out.string(), 2, edited, 0);
-    TrainingArguments b = small_run(out);
-    b.max_steps = 4;
-    b.resume_from_checkpoint = path;
-    quiet_train(b, train_set);
+    resume_from(edited, dir.path / field, train_set);
   };
   check_throws_with([&] { resume_with("global_step", -5); }, "'global_step' must be a whole number >= 0, got -5");
   check_throws_with([&] { resume_with("window", "x"); }, "'window' must be a whole number >= 0, got a JSON string");
@@ -318,21 +291,12 @@ TEST_CASE("Trainer: an optimizer step count that disagrees with the trainer stat
   // global_step - skipped_steps steps. A checkpoint that says otherwise is refused, by file.
   TempDir dir;
   TensorDataset train_set = synthetic_images(96, 1);
-  TrainingArguments a = small_run(dir.path / "run");
-  a.max_steps = 2;
-  a.save_strategy = "steps";
-  a.save_steps = 2;
-  quiet_train(a, train_set);
-  const CheckpointData good = load_checkpoint((dir.path / "run" / "checkpoint-2").string());
+  const CheckpointData good = two_step_checkpoint(dir.path / "run", train_set);
   REQUIRE(good.optimizer.at("step").item() == 2);
-  // The error of resuming from `edited` (rewritten whole, CRCs included), "" when it resumes.
+  // The error of resuming from `edited`, "" when it resumes.
   auto resume_error = [&](const std::string& name, const CheckpointData& edited) -> std::string {
-    const fs::path out = dir.path / name;
-    TrainingArguments b = small_run(out);
-    b.max_steps = 4;
-    b.resume_from_checkpoint = save_checkpoint(out.string(), 2, edited, 0);
     try {
-      quiet_train(b, train_set);
+      resume_from(edited, dir.path / name, train_set);
     } catch (const Error& e) {
       return e.what();
     }
@@ -526,26 +490,6 @@ MB_CUDA_TEST_CASE(
               .is_number());
 }
 
-TEST_CASE("TrainingArguments: out-of-range numbers, deep values and overflowing batches are refused") {
-  auto from = [](const std::string& text) { return TrainingArguments::from_json(nlohmann::json::parse(text)); };
-  check_throws_with([&] { from(R"({"max_steps": 1e19})"); }, "'max_steps' is out of range: 1e+19");
-  check_throws_with([&] { from(R"({"max_steps": 18446744073709551615})"); }, "'max_steps' is out of range");
-  check_throws_with([&] { from(R"({"seed": 1e20})"); }, "'seed' is out of range");
-  // Below the range too: casting -1e300 to int64 is undefined (it read as INT64_MIN).
-  check_throws_with([&] { from(R"({"warmup_steps": -1e300})"); }, "'warmup_steps' is out of range: -1e+300");
-  check_throws_with([&] { from(R"({"max_steps": -1e300})"); }, "'max_steps' is out of range");
-  // A value nested 200,000 deep: named by its type, never printed whole.
-  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
-  check_throws_with([&] { from(R"({"max_steps": )" + deep + "}"); }, "'max_steps' has the wrong type: a JSON array");
-  check_throws_with([&] { from(R"({"output_dir": )" + deep + "}"); }, "'output_dir' has the wrong type: a JSON array");
-  check_throws_with([] { resolve_batch_triad({.per_device_train_batch_size = std::int64_t{1} << 62,
-                                              .gradient_accumulation_steps = 4}); },
-                    "per_device_train_batch_size 4611686018427387904 x gradient_accumulation_steps 4 overflows");
-  TempDir dir;
-  check_throws_with([&] { TrainingArguments::load(dir.path.string()); }, "is not a readable file");
-  check_throws_with([&] { TrainingArguments::load((dir.path / "none.json").string()); }, "(it does not exist)");
-}
-
 TEST_CASE("Trainer: an evaluation strategy without an evaluation dataset is refused") {
   TempDir dir;
   TensorDataset train_set = synthetic_images(16, 1);
@@ -553,20 +497,6 @@ TEST_CASE("Trainer: an evaluation strategy without an evaluation dataset is refu
   a.eval_strategy = "steps";
   check_throws_with([&] { Trainer(small_mlp(), a, train_set); },
                     "eval_strategy = steps needs an evaluation dataset");
-}
-
-TEST_CASE("TrainingArguments: whole numbers, ranges and types are checked, naming the argument") {
-  auto from = [](const char* text) { return TrainingArguments::from_json(nlohmann::json::parse(text)); };
-  check_throws_with([&] { from(R"({"max_steps": 2.7})"); }, "'max_steps' must be a whole number, got 2.7");
-  check_throws_with([&] { from(R"({"seed": -1})"); }, "'seed' must be >= 0, got -1");
-  check_throws_with([&] { from(R"({"memory_budget": true})"); }, "'memory_budget' has the wrong type: true");
-  CHECK(from(R"({"max_steps": 3.0})").max_steps == 3);
-  check_throws_with([] { TrainingArguments{.warmup_steps = -5}.validate(); }, "warmup_steps must be >= 0, got -5");
-  check_throws_with([] { TrainingArguments{.eval_steps = -1}.validate(); }, "eval_steps must be >= 0");
-  check_throws_with([] { TrainingArguments{.weight_decay = -1}.validate(); }, "weight_decay must be >= 0");
-  check_throws_with([] { TrainingArguments{.adam_beta1 = 1.0}.validate(); }, "adam_beta1 must be in [0, 1)");
-  check_throws_with([] { TrainingArguments{.num_train_epochs = 1e300}.validate(); },
-                    "num_train_epochs must be in [0, 1e9]");
 }
 
 TEST_CASE("Trainer under a memory budget: peak within it every step, same weights as an unlimited run") {
@@ -854,29 +784,6 @@ TEST_CASE("TrainingArguments: a warmup ratio of the longest run never overflows 
   CHECK(first["learning_rate"].get<double>() < 1e-12);
 }
 
-TEST_CASE("TrainingArguments: out-of-range sizes and batches say what is wrong") {
-  check_throws_with([] { parse_bytes("1e30"); }, "'1e30' is too large");
-  check_throws_with([] { parse_bytes("9EiB"); }, "unknown unit");
-  CHECK(parse_bytes("7TiB") == std::int64_t{7} << 40);
-  // 0 is not a batch size; "auto" is the one spelling of an automatic one.
-  check_throws_with([] { TrainingArguments{.per_device_train_batch_size = 0}.validate(); },
-                    "per_device_train_batch_size must be >= 1 or auto, got 0");
-  auto from = [](const char* text) {
-    return TrainingArguments::from_json(nlohmann::json::parse(text));
-  };
-  check_throws_with([&] { from(R"({"per_device_train_batch_size": 0})"); },
-                    "must be >= 1 or \"auto\", got 0");
-  check_throws_with([&] { from(R"({"per_device_train_batch_size": -1})"); },
-                    "must be >= 1 or \"auto\", got -1");
-  CHECK(from(R"({"per_device_train_batch_size": "auto"})").per_device_train_batch_size ==
-        kAutoBatch);
-  // ceil(effective / micro) next to INT64_MAX.
-  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
-  const BatchTriad t =
-      resolve_batch_triad({.per_device_train_batch_size = 64, .train_batch_size = kMax});
-  CHECK((t.effective == kMax && t.micro == 64 && t.accumulation == kMax / 64 + 1));
-}
-
 TEST_CASE("Trainer: an effective batch beyond the training set is one window of all of it") {
   TempDir dir;
   TensorDataset train_set = synthetic_images(20, 1);
@@ -895,43 +802,6 @@ TEST_CASE("Trainer: an effective batch beyond the training set is one window of 
     CHECK(l["steps_per_window"] == 3);  // 8 + 8 + 4
     CHECK(l["epoch"].get<double>() == l["step"].get<double>());
   }
-}
-
-TEST_CASE("model configs: sizes, heads and dropout are checked, naming the field") {
-  const nn::GPTConfig ok{.vocab_size = 8, .block_size = 4, .n_layer = 1, .n_head = 2, .n_embd = 8};
-  ok.validate();
-  auto gpt_with = [&](auto change) {
-    nn::GPTConfig c = ok;
-    change(c);
-    return [c] { nn::GPT model(c); };
-  };
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_head = 0; }),
-                    "[GPT] n_head must be >= 1, got 0");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_head = -4; }),
-                    "[GPT] n_head must be >= 1, got -4");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_layer = 0; }),
-                    "[GPT] n_layer must be >= 1, got 0");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_layer = -1; }),
-                    "[GPT] n_layer must be >= 1, got -1");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_embd = 0; }),
-                    "[GPT] n_embd must be >= 1, got 0");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.n_embd = 10, c.n_head = 4; }),
-                    "[GPT] n_embd 10 is not divisible by n_head 4");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.block_size = 0; }),
-                    "[GPT] block_size must be >= 1, got 0");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.vocab_size = 0; }),
-                    "[GPT] vocab_size must be >= 1, got 0");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.dropout = 1.0; }),
-                    "[GPT] dropout must be in [0, 1), got 1");
-  check_throws_with(gpt_with([](nn::GPTConfig& c) { c.dropout = -0.1; }),
-                    "[GPT] dropout must be in [0, 1)");
-  const nn::MLPConfig zero_width{.hidden = {64, 0}};
-  check_throws_with([&] { nn::MLP m(zero_width); }, "[MLP] every hidden width must be >= 1, got 0");
-  check_throws_with([] { nn::MLP m({.num_classes = 0}); }, "[MLP] num_classes must be >= 1, got 0");
-  check_throws_with([] { nn::MLP m({.dropout = 1.5}); },
-                    "[MLP] dropout must be in [0, 1), got 1.5");
-  check_throws_with([] { nn::CNN m({.channels2 = 0}); }, "[CNN] channels2 must be >= 1, got 0");
-  check_throws_with([] { nn::CNN m({.image_size = 3}); }, "[CNN] image_size must be >= 4");
 }
 
 #ifdef MB_CLI_PATH
