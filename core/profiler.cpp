@@ -200,7 +200,7 @@ Scope::Scope(std::string_view name, Device device, Nesting nesting, std::string_
 
 Scope::~Scope() {
   if (key_ < 0) return;
-  const double host_ms = ms_between(host_start_, Clock::now());
+  const Clock::time_point host_end = Clock::now();
   t_current = parent_;
   State& s = state();
   events::Event end_event = nullptr;
@@ -225,6 +225,15 @@ Scope::~Scope() {
     if (start_event_ != nullptr) give_back(s, device_, start_event_);
     if (end_event != nullptr) give_back(s, device_, end_event);
     return;
+  }
+  // A scope still open at stop() counts up to the span's end, as its parents do; its device time,
+  // which stop() no longer waits for, is dropped.
+  const double host_ms =
+      std::max(0.0, ms_between(host_start_, s.running ? host_end : std::min(host_end, s.span_end)));
+  if (!s.running && end_event != nullptr) {
+    give_back(s, device_, start_event_);
+    give_back(s, device_, end_event);
+    end_event = nullptr;
   }
   ProfileRow& row = s.rows[key_];
   ++row.calls;

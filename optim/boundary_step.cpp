@@ -183,7 +183,7 @@ StepOutcome BoundaryStep::resolve(const Pending& pending, const Record& record) 
     }
     const kernels::LossScaleState& host = scaler_->state();
     MB_ASSERT(host.scale == record.scale.scale && host.growth_tracker == record.scale.growth_tracker &&
-                  host.consecutive_overflows == record.scale.consecutive_overflows &&
+                  host.hysteresis_overflows == record.scale.hysteresis_overflows &&
                   host.overflows_at_floor == record.scale.overflows_at_floor,
               "[BoundaryStep] the device's loss scale ({}, tracker {}) left the host's ({}, tracker {}) at step {}",
               record.scale.scale, record.scale.growth_tracker, host.scale, host.growth_tracker, pending.step);

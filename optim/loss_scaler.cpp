@@ -18,11 +18,15 @@ void check_config(const LossScalerConfig& c, const char* where) {
            c.growth_interval);
   MB_CHECK(c.hysteresis >= 1, "[{}] hysteresis must be >= 1 (1 backs off on every overflow, as "
            "PyTorch), got {}", where, c.hysteresis);
-  // The scale is an f32: a value past FLT_MAX would start it at inf.
-  MB_CHECK(c.init_scale > 0.0 && std::isfinite(static_cast<float>(c.init_scale)),
-           "[{}] init_scale must be > 0 and finite in f32, got {}", where, c.init_scale);
-  MB_CHECK(c.min_loss_scale >= 0.0 && std::isfinite(static_cast<float>(c.min_loss_scale)),
-           "[{}] min_loss_scale must be >= 0 (0 = no floor) and finite in f32, got {}", where,
+  // The scale is an f32: a value past FLT_MAX would start it at inf, one below f32's smallest
+  // normal would make inv_scale inf (kernels::kSmallestLossScale).
+  const double smallest = kernels::kSmallestLossScale;
+  MB_CHECK(c.init_scale >= smallest && std::isfinite(static_cast<float>(c.init_scale)),
+           "[{}] init_scale must be in [2^-126, FLT_MAX] (an f32 whose inverse is finite), got {}",
+           where, c.init_scale);
+  MB_CHECK(c.min_loss_scale == 0.0 || (c.min_loss_scale >= smallest &&
+                                       std::isfinite(static_cast<float>(c.min_loss_scale))),
+           "[{}] min_loss_scale must be 0 (no floor) or in [2^-126, FLT_MAX], got {}", where,
            c.min_loss_scale);
   MB_CHECK(c.init_scale >= c.min_loss_scale,
            "[{}] init_scale {} is below min_loss_scale {}", where, c.init_scale, c.min_loss_scale);
@@ -48,13 +52,14 @@ float DynamicLossScaler::inv_scale() const {
 
 std::int64_t DynamicLossScaler::growth_tracker() const { return state_.growth_tracker; }
 std::int64_t DynamicLossScaler::skipped_steps() const { return skipped_steps_; }
-std::int64_t DynamicLossScaler::consecutive_overflows() const { return state_.consecutive_overflows; }
+std::int64_t DynamicLossScaler::hysteresis_overflows() const { return state_.hysteresis_overflows; }
 
 kernels::LossScaleRule DynamicLossScaler::rule() const {
   return {.growth_factor = config_.growth_factor,
           .backoff_factor = config_.backoff_factor,
           .growth_interval = config_.growth_interval,
           .hysteresis = config_.hysteresis,
+          .consecutive_hysteresis = config_.consecutive_hysteresis,
           .min_loss_scale = config_.min_loss_scale};
 }
 
@@ -65,9 +70,9 @@ bool DynamicLossScaler::update(bool found_inf) {
   kernels::apply_loss_scale_update(state_, found_inf, rule());
   if (!found_inf) return false;
   ++skipped_steps_;
-  // Hysteresis h: the first h-1 consecutive overflows are tolerated; the h-th and every further
-  // consecutive one back off (DeepSpeed with consecutive_hysteresis).
-  const bool backed_off = state_.consecutive_overflows >= config_.hysteresis;
+  // Hysteresis h: the first h-1 overflows counted are tolerated; the h-th and every further one
+  // back off (Note [Hysteresis] in kernels/loss_scale.h).
+  const bool backed_off = state_.hysteresis_overflows >= config_.hysteresis;
   if (backed_off && config_.min_loss_scale > 0.0) {
     const float floor = static_cast<float>(config_.min_loss_scale);
     if (state_.scale <= floor && !warned_floor_) {
@@ -77,12 +82,13 @@ bool DynamicLossScaler::update(bool found_inf) {
                    "further overflows skip steps without lowering it\n",
                    static_cast<double>(floor));
     }
-  } else if (backed_off && state_.scale == 0.0f && !warned_floor_) {
-    // No floor (PyTorch): say so once rather than collapse silently.
+  } else if (backed_off && state_.scale == kernels::kSmallestLossScale && !warned_floor_) {
+    // No floor: say so once rather than collapse silently.
     warned_floor_ = true;
     std::fprintf(stderr,
-                 "[loss_scaler] warning: loss scale underflowed to 0 after repeated overflows; "
-                 "gradients are not finite at any scale (set min_loss_scale to stop the run)\n");
+                 "[loss_scaler] warning: loss scale reached 2^-126, the smallest it can take, "
+                 "after repeated overflows; gradients are not finite at any scale (set "
+                 "min_loss_scale and max_overflows_at_floor to stop the run)\n");
   }
   if (was_at_floor && config_.max_overflows_at_floor > 0 &&
       state_.overflows_at_floor >= config_.max_overflows_at_floor) {
@@ -105,11 +111,12 @@ nlohmann::json DynamicLossScaler::state_dict() const {
       {"backoff_factor", config_.backoff_factor},
       {"growth_interval", config_.growth_interval},
       {"hysteresis", config_.hysteresis},
+      {"consecutive_hysteresis", config_.consecutive_hysteresis},
       {"min_loss_scale", config_.min_loss_scale},
       {"max_overflows_at_floor", config_.max_overflows_at_floor},
       {"growth_tracker", state_.growth_tracker},
       {"skipped_steps", skipped_steps_},
-      {"consecutive_overflows", state_.consecutive_overflows},
+      {"hysteresis_overflows", state_.hysteresis_overflows},
       {"overflows_at_floor", state_.overflows_at_floor},
   };
 }
@@ -134,15 +141,27 @@ void DynamicLossScaler::load_state_dict(const nlohmann::json& state) {
   c.backoff_factor = get("backoff_factor").get<double>();
   c.growth_interval = get_int("growth_interval");
   c.hysteresis = get_int("hysteresis");
+  // A state saved before consecutive_hysteresis existed ran with it, and named its count
+  // consecutive_overflows.
+  const bool before_option = state.is_object() && !state.contains("consecutive_hysteresis") &&
+                             state.contains("consecutive_overflows");
+  if (before_option) {
+    c.consecutive_hysteresis = true;
+  } else {
+    MB_CHECK(state.is_object() && state.contains("consecutive_hysteresis") &&
+                 state.at("consecutive_hysteresis").is_boolean(),
+             "[loss_scaler] state 'consecutive_hysteresis' must be true or false");
+    c.consecutive_hysteresis = state.at("consecutive_hysteresis").get<bool>();
+  }
   c.min_loss_scale = get("min_loss_scale").get<double>();
   c.max_overflows_at_floor = get_int("max_overflows_at_floor");
   // init_scale is not part of the state; check the rest with a stand-in that passes.
   LossScalerConfig checked = c;
-  checked.init_scale = std::max<double>(c.min_loss_scale, std::numeric_limits<float>::min());
+  checked.init_scale = std::max<double>(c.min_loss_scale, kernels::kSmallestLossScale);
   check_config(checked, "loss_scaler state");
-  // A collapsed scale of 0 (no floor) is a real state and reloads as such.
-  MB_CHECK(scale >= 0.0 && static_cast<double>(static_cast<float>(scale)) == scale,
-           "[loss_scaler] state 'scale' must be an f32 value >= 0, got {}", scale);
+  MB_CHECK(scale >= kernels::kSmallestLossScale &&
+               static_cast<double>(static_cast<float>(scale)) == scale,
+           "[loss_scaler] state 'scale' must be an f32 value >= 2^-126, got {}", scale);
   MB_CHECK(scale >= static_cast<float>(c.min_loss_scale),
            "[loss_scaler] state 'scale' {} is below min_loss_scale {}", scale, c.min_loss_scale);
   const std::int64_t tracker = get_int("growth_tracker");
@@ -153,7 +172,8 @@ void DynamicLossScaler::load_state_dict(const nlohmann::json& state) {
   state_.scale = static_cast<float>(scale);
   state_.growth_tracker = tracker;
   skipped_steps_ = get_int("skipped_steps");
-  state_.consecutive_overflows = get_int("consecutive_overflows");
+  state_.hysteresis_overflows =
+      get_int(before_option ? "consecutive_overflows" : "hysteresis_overflows");
   state_.overflows_at_floor = get_int("overflows_at_floor");
 }
 

@@ -6,8 +6,9 @@
 // [Boundary step on the device] in optim/boundary_step.h); this class is then the host's copy.
 //
 // Note [Loss-scale floor]: PyTorch has no floor, and a run whose gradients never become finite
-// again backs its scale off to 0. With min_loss_scale set, a backoff never goes below the floor;
-// the scaler warns once (stderr) when it gets there, and with max_overflows_at_floor = n, the n-th
+// again backs its scale off to 0. Here a backoff stops at 2^-126 (kernels::kSmallestLossScale,
+// where the scaler warns once), and with min_loss_scale set it never goes below the floor; the
+// scaler warns once (stderr) when it gets there, and with max_overflows_at_floor = n, the n-th
 // consecutive overflowing step taken at the floor throws LossScaleFloorError so the caller can
 // stop after saving the last good state (a skipped step leaves the weights as they were).
 #pragma once
@@ -27,6 +28,8 @@ struct LossScalerConfig {
   double backoff_factor = 0.5;
   std::int64_t growth_interval = 2000;
   std::int64_t hysteresis = 1;          // DeepSpeed: overflows tolerated before backing off (1 = PyTorch)
+  bool consecutive_hysteresis = false;  // DeepSpeed's: only a run of `hysteresis` overflows in a
+                                        // row backs off (Note [Hysteresis], kernels/loss_scale.h)
   double min_loss_scale = 0.0;          // floor; 0 = none (PyTorch). At the floor the scale stays.
   std::int64_t max_overflows_at_floor = 0;  // consecutive overflowing steps at the floor before
                                             // update() throws LossScaleFloorError; 0 = never
@@ -48,7 +51,8 @@ class DynamicLossScaler {
   bool update(bool found_inf);
   std::int64_t growth_tracker() const;
   std::int64_t skipped_steps() const;   // total steps skipped so far
-  std::int64_t consecutive_overflows() const;
+  /// Overflows counted against the hysteresis since it was last restored (Note [Hysteresis]).
+  std::int64_t hysteresis_overflows() const;
   /// For checkpoints: everything needed to continue bit for bit.
   nlohmann::json state_dict() const;
   void load_state_dict(const nlohmann::json& state);

@@ -228,6 +228,19 @@ Batch DataLoader::batch_for(const std::vector<std::int64_t>& indices) const {
   return batch;
 }
 
+std::int64_t DataLoader::items_for(const std::vector<std::int64_t>& indices) const {
+  MB_CHECK(!indices.empty(), "[DataLoader] items_for needs at least one index");
+  // As collate counts: padding adds only ignore_index labels, which carry no loss.
+  std::int64_t items = 0;
+  for (std::int64_t index : indices) {
+    const Tensor label = dataset_.get(index).label;
+    items += !is_integer(label.dtype())  ? 1
+             : label.device().is_meta() ? label.numel()
+                                        : count_not_equal(label.contiguous(), options_.collate.ignore_index);
+  }
+  return items;
+}
+
 std::optional<Batch> DataLoader::next() {
   if (state_.position >= num_batches()) return std::nullopt;
   if (options_.prefetch == 0) {

@@ -141,6 +141,9 @@ class DataLoader {
   std::vector<std::int64_t> batch_indices(std::int64_t batch) const;
   /// Collates an arbitrary list of dataset indices (e.g. one micro-batch of a batch).
   Batch batch_for(const std::vector<std::int64_t>& indices) const;
+  /// batch_for(indices).num_items (Note [Batch items]) from the examples' labels alone, without
+  /// collating their inputs.
+  std::int64_t items_for(const std::vector<std::int64_t>& indices) const;
 
  private:
   struct Item {

@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,7 @@
 #include <limits>
 #include <optional>
 #include <set>
+#include <vector>
 
 #include "optim/boundary_step.h"
 #include "optim/loss_scaler.h"
@@ -186,7 +189,9 @@ namespace {
 struct BudgetGuard {
   BudgetGuard(Device device, std::int64_t baseline, std::int64_t budget)
       : device(device), previous(allocator(device).budget()) {
-    if (budget > 0) set_memory_budget(device, static_cast<std::size_t>(baseline + budget));
+    // In size_t: both are int64 >= 0, and their sum may pass INT64_MAX (a budget from JSON).
+    if (budget > 0)
+      set_memory_budget(device, static_cast<std::size_t>(baseline) + static_cast<std::size_t>(budget));
   }
   ~BudgetGuard() { allocator(device).set_budget(previous); }
   Device device;
@@ -208,6 +213,37 @@ struct BudgetGuard {
 // uninterrupted run would go on. A checkpoint also keeps where its logging window began
 // (logged_step, logged_loss_sum): a resumed run's log lines, and its stand-ins, are those of the
 // uninterrupted run.
+// A fingerprint of a training set (Note [Resuming the same run]): FNV-1a over the bytes, dtypes and
+// shapes of the labels of up to 64 of its examples, evenly spaced and the last among them, as 16
+// hex digits. Reading all of them would cost a pass over the data at every start; these 64 tell
+// apart two sets of the same size whose labels differ in most places (another file, another
+// vocabulary, another split). Inputs are left out: a run stopped by a poisoned sample resumes once
+// that sample is cleaned, in the same order.
+std::string data_fingerprint(const Dataset& data) {
+  std::uint64_t h = 14695981039346656037ULL;
+  auto mix = [&](const void* p, std::size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ULL;
+  };
+  auto mix_tensor = [&](const Tensor& t) {
+    if (!t.defined()) return;
+    const Tensor c = t.to(kCPU).contiguous();
+    const auto dtype = static_cast<int>(c.dtype());
+    mix(&dtype, sizeof dtype);
+    for (std::int64_t d : c.shape()) mix(&d, sizeof d);
+    if (c.nbytes() > 0) mix(c.raw_data(), c.nbytes());
+  };
+  const std::int64_t n = data.size();
+  const std::int64_t picks = std::min<std::int64_t>(n, 64);
+  for (std::int64_t k = 0; k < picks; ++k) {
+    // Index k * (n - 1) / (picks - 1) without overflow: 0 first, n - 1 last.
+    const std::int64_t i = picks == 1 ? 0 : static_cast<std::int64_t>(
+        static_cast<long double>(k) * static_cast<long double>(n - 1) / static_cast<long double>(picks - 1));
+    mix_tensor(data.get(i).label);
+  }
+  return fmt::format("{:016x}", h);
+}
+
 nlohmann::json loss_to_json(double v) {
   if (std::isfinite(v)) return v;
   if (std::isnan(v)) return "NaN";
@@ -338,7 +374,23 @@ TrainOutput Trainer::train() {
     MB_CHECK(folder, "[Trainer] cannot create output_dir '{}': {}", args_.output_dir,
              ec ? ec.message() : std::string("it exists and is not a folder"));
   }
-  std::ofstream log_file(fs::path(args_.output_dir) / "log.jsonl", std::ios::app);
+  // Note [A used output_dir]: a fresh run into a folder that holds another run's checkpoints would
+  // share their rotation (save_total_limit could delete its own newest and keep a stale one) and
+  // `latest` would resume the stale one. Refused unless overwrite_output_dir (Hugging Face's name)
+  // clears them. A fresh run writes log.jsonl anew; a resumed one cuts it back to where its
+  // checkpoint was saved (log_bytes), so that the lines of steps the checkpoint did not keep are
+  // not there twice.
+  const fs::path log_path = fs::path(args_.output_dir) / "log.jsonl";
+  const bool resuming = !args_.resume_from_checkpoint.empty();
+  if (!resuming) {
+    const std::vector<std::string> old = list_checkpoints(args_.output_dir);
+    MB_CHECK(old.empty() || args_.overwrite_output_dir,
+             "[Trainer] output_dir {} holds checkpoints of another run ({}): resume it with "
+             "resume_from_checkpoint = latest, or set overwrite_output_dir to delete them and "
+             "start afresh", args_.output_dir, old.back());
+    for (const std::string& path : old) fs::remove_all(path);
+  }
+  std::ofstream log_file(log_path, resuming ? std::ios::app : std::ios::trunc);
   MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
   std::ostream& out = *log_stream_;
   const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
@@ -348,6 +400,8 @@ TrainOutput Trainer::train() {
   std::optional<optim::DynamicLossScaler> scaler;
   if (args_.fp16) {
     scaler.emplace(optim::LossScalerConfig{.hysteresis = args_.loss_scale_hysteresis,
+                                           .consecutive_hysteresis =
+                                               args_.loss_scale_consecutive_hysteresis,
                                            .min_loss_scale = args_.loss_scale_floor,
                                            .max_overflows_at_floor = args_.max_overflows_at_floor});
   }
@@ -370,6 +424,7 @@ TrainOutput Trainer::train() {
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
   std::int64_t logged_at = 0;               // the step of the last log line
+  const std::string fingerprint = data_fingerprint(train_set_);  // Note [Resuming the same run]
   if (!args_.resume_from_checkpoint.empty()) {
     std::optional<ResumePoint> point;
     if (args_.resume_from_checkpoint == "latest") {
@@ -450,6 +505,12 @@ TrainOutput Trainer::train() {
          "keep per_device_train_batch_size x gradient_accumulation_steps");
     same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
          "train on the same data");
+    if (st.contains("train_fingerprint")) {
+      MB_CHECK(st.at("train_fingerprint") == fingerprint,
+               "[Trainer] cannot resume from {}: it was trained on other data of the same size "
+               "(its examples' fingerprint differs); the data order would differ (train on the "
+               "same data)", point->path);
+    }
     MB_CHECK(saved_window <= windows_per_epoch,
              "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this run's epochs "
              "have {} windows", point->path, saved_window, windows_per_epoch);
@@ -484,6 +545,16 @@ TrainOutput Trainer::train() {
     logged_at = saved_logged_at;
     scheduler.set_steps(saved_scheduler);
     default_generator().set_state({rng_seed, rng_offset});
+    if (st.contains("log_bytes") && fs::exists(log_path)) {
+      const std::int64_t kept = count("log_bytes");
+      log_file.close();
+      std::error_code ec;
+      const auto size = fs::file_size(log_path, ec);
+      if (!ec && size > static_cast<std::uintmax_t>(kept)) fs::resize_file(log_path, static_cast<std::uintmax_t>(kept), ec);
+      MB_CHECK(!ec, "[Trainer] cannot cut {} back to its checkpoint: {}", log_path.string(), ec.message());
+      log_file.open(log_path, std::ios::app);
+      MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
+    }
     const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
     log_file << event.dump() << "\n";
     if (args_.json) {
@@ -527,10 +598,21 @@ TrainOutput Trainer::train() {
                           {"plan", plan_.to_json()},
                           {"args", args_.to_json()},
                           {"skipped_steps", skipped},
-                          {"train_examples", train_set_.size()}};
+                          {"train_examples", train_set_.size()},
+                          {"train_fingerprint", fingerprint}};
     if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
+    // The log up to and including this save's own line (Note [A used output_dir]); the path is
+    // save_checkpoint's, output_dir/checkpoint-<step>.
+    const std::string line =
+        nlohmann::json{{"event", "save"},
+                       {"step", step},
+                       {"path", (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string()}}
+            .dump() + "\n";
+    log_file.flush();
+    data.trainer_state["log_bytes"] = static_cast<std::int64_t>(log_file.tellp()) + static_cast<std::int64_t>(line.size());
     const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
-    log_file << nlohmann::json{{"event", "save"}, {"step", step}, {"path", path}}.dump() << "\n";
+    MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos, "checkpoint saved as {}", path);
+    log_file << line;
     log_file.flush();
     return path;
   };
@@ -572,7 +654,7 @@ TrainOutput Trainer::train() {
     reset_peak_memory_stats(device_);
     Metrics m = run_evaluation(*eval_set_, nullptr);
     nlohmann::json line{{"event", "eval"}, {"step", step},
-                        {"measured_peak", memory_stats(device_).reserved.peak - baseline_},
+                        {"measured_peak", eval_peak_ - baseline_},
                         {"eval_batch_size", eval_batch_size_}};
     // Evaluation's cached blocks are not the training window's memory: hand them back, so that the
     // windows after it run at their planned peak.
@@ -633,8 +715,10 @@ TrainOutput Trainer::train() {
       chunks = split_window(indices, plan_.micro_batch_size);
     }
     // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not
-    // ignore_index; a sample labelled -100 does not count, so the weights still sum to 1.
-    auto items_of = [&](const Chunk& c) -> std::int64_t { return loader.batch_for(c).num_items; };
+    // ignore_index; a sample labelled -100 does not count, so the weights still sum to 1. Counted
+    // from the labels alone: collating the window here would take its inputs' memory outside the
+    // out-of-memory recovery below.
+    auto items_of = [&](const Chunk& c) -> std::int64_t { return loader.items_for(c); };
     std::int64_t window_items = 0;
     for (const Chunk& c : chunks) window_items += items_of(c);
 
@@ -814,6 +898,53 @@ TrainOutput Trainer::train() {
 
 // ---- evaluation --------------------------------------------------------------------------------
 
+namespace {
+
+// Note [Predictions outside the budget]: compute_metrics and predict() take the whole set's logits
+// and labels on the host, where Hugging Face's Trainer gathers them too. On a GPU that is host
+// memory, outside the device's budget (Note [What the budget covers]). On the CPU the host is the
+// training device: held as tensors, the batches' logits and labels would take room that the
+// planned micro-batch needs (the 10,000 Fashion-MNIST test images' come to 0.5 MB, and their cat
+// as much again), and a run whose training fits would fail at its first evaluation. So each
+// batch's share is kept as plain bytes outside the allocator, and the tensors are put together
+// with the CPU's budget lifted once the last batch has run (BudgetLift); their blocks go back to
+// the cache, which evaluation empties.
+class HostRows {
+ public:
+  void add(const Tensor& t) {
+    const Tensor c = t.to(kCPU).contiguous();
+    if (shape_.empty()) {
+      shape_ = c.shape();
+      shape_[0] = 0;
+      dtype_ = c.dtype();
+    }
+    MB_ASSERT(c.dtype() == dtype_ && c.dim() == static_cast<std::int64_t>(shape_.size()),
+              "evaluation batches of different kinds");
+    shape_[0] += c.shape()[0];
+    const auto* p = static_cast<const std::byte*>(c.raw_data());
+    bytes_.insert(bytes_.end(), p, p + c.nbytes());
+  }
+  Tensor tensor() const {
+    Tensor t = empty(shape_, {.dtype = dtype_});
+    if (!bytes_.empty()) std::memcpy(t.raw_data(), bytes_.data(), bytes_.size());
+    return t;
+  }
+
+ private:
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  std::vector<std::byte> bytes_;
+};
+
+// Lifts the CPU allocator's budget in its scope.
+struct BudgetLift {
+  BudgetLift() : previous(allocator(kCPU).budget()) { allocator(kCPU).set_budget(std::nullopt); }
+  ~BudgetLift() { allocator(kCPU).set_budget(previous); }
+  std::optional<std::size_t> previous;
+};
+
+}  // namespace
+
 Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
   NoGradGuard no_grad;
   const bool was_training = model_->is_training();
@@ -824,8 +955,8 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       DataLoader loader(data, {.batch_size = eval_batch_size_, .prefetch = 0});
       double loss_sum = 0.0;
       std::int64_t items = 0;
-      std::vector<Tensor> logits, labels;
-      bool token_labels = false;
+      HostRows logits, labels;  // Note [Predictions outside the budget]
+      bool token_labels = false, any = false;
       while (auto host_batch = loader.next()) {
         const Batch batch = host_batch->to(device_);
         nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
@@ -833,17 +964,20 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
         if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
         items += batch.num_items;
         token_labels = batch.labels.dim() > 1;
-        if (collect) {  // held on the host: compute_metrics reads them there
-          logits.push_back(o.logits.to(kCPU));
-          labels.push_back(host_batch->labels);
+        if (collect) {
+          logits.add(o.logits);
+          labels.add(host_batch->labels);
+          any = true;
         }
       }
       model_->train(was_training);
+      eval_peak_ = memory_stats(device_).reserved.peak;
       Metrics m;
       m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
       if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
-      if (collect && !logits.empty()) {
-        EvalPrediction p{cat(logits, 0), cat(labels, 0)};
+      if (collect && any) {
+        BudgetLift lift;
+        EvalPrediction p{logits.tensor(), labels.tensor()};
         if (compute_metrics_)
           for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
         if (keep) {

@@ -110,6 +110,9 @@ class Trainer {
   StepCallback on_step_;
   std::ostream* log_stream_;
   std::int64_t eval_batch_size_;
+  // The device's reserved peak over the last evaluation's batches, before its predictions were
+  // put together outside the budget (Note [Predictions outside the budget] in trainer.cpp).
+  std::int64_t eval_peak_ = 0;
   Device device_ = kCPU;       // args.training_device()
   std::int64_t baseline_ = 0;  // device bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16

@@ -83,7 +83,20 @@ void TrainingArguments::validate() const {
                gradient_accumulation_dtype == "bf16",
            "[TrainingArguments] gradient_accumulation_dtype must be f32, f16 or bf16, got '{}'",
            gradient_accumulation_dtype);
-  MB_CHECK(loss_scale_floor > 0, "[TrainingArguments] loss_scale_floor must be > 0, got {}", loss_scale_floor);
+  // f16 holds gradients only between 6e-8 and 65504; loss scaling moves them into that range.
+  MB_CHECK(gradient_accumulation_dtype != "f16" || fp16,
+           "[TrainingArguments] gradient_accumulation_dtype f16 needs fp16: without loss scaling, "
+           "gradients below 6e-8 vanish and sums above 65504 overflow in f16; use bf16 or f32");
+  MB_CHECK(loss_scale_hysteresis >= 1,
+           "[TrainingArguments] loss_scale_hysteresis must be >= 1 (1 backs off on every overflow), "
+           "got {}", loss_scale_hysteresis);
+  MB_CHECK(max_overflows_at_floor >= 0,
+           "[TrainingArguments] max_overflows_at_floor must be >= 0 (0 never stops), got {}",
+           max_overflows_at_floor);
+  // The scaler's own range (optim::DynamicLossScaler): an f32 whose inverse is finite.
+  MB_CHECK(loss_scale_floor >= 0x1p-126 && std::isfinite(static_cast<float>(loss_scale_floor)),
+           "[TrainingArguments] loss_scale_floor must be in [2^-126, FLT_MAX], got {}",
+           loss_scale_floor);
   optim::parse_schedule(lr_scheduler_type);
   resolve_batch_triad(*this);
   requested_device();
@@ -160,6 +173,7 @@ BatchTriad resolve_batch_triad(const TrainingArguments& a) {
 nlohmann::json TrainingArguments::to_json() const {
   nlohmann::json j;
   j["output_dir"] = output_dir;
+  j["overwrite_output_dir"] = overwrite_output_dir;
   j["per_device_train_batch_size"] =
       per_device_train_batch_size == kAutoBatch ? nlohmann::json("auto") : nlohmann::json(per_device_train_batch_size);
   j["per_device_eval_batch_size"] = per_device_eval_batch_size;
@@ -191,6 +205,7 @@ nlohmann::json TrainingArguments::to_json() const {
   j["loss_scale_floor"] = loss_scale_floor;
   j["max_overflows_at_floor"] = max_overflows_at_floor;
   j["loss_scale_hysteresis"] = loss_scale_hysteresis;
+  j["loss_scale_consecutive_hysteresis"] = loss_scale_consecutive_hysteresis;
   j["gradient_checkpointing"] = gradient_checkpointing;
   j["pack_by_tokens"] = pack_by_tokens;
   j["seed"] = seed;
@@ -234,6 +249,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
     }
   };
   get("output_dir", a.output_dir);
+  get("overwrite_output_dir", a.overwrite_output_dir);
   if (j.contains("per_device_train_batch_size")) {
     const auto& v = j.at("per_device_train_batch_size");
     if (v.is_string()) {
@@ -281,6 +297,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("loss_scale_floor", a.loss_scale_floor);
   get("max_overflows_at_floor", a.max_overflows_at_floor);
   get("loss_scale_hysteresis", a.loss_scale_hysteresis);
+  get("loss_scale_consecutive_hysteresis", a.loss_scale_consecutive_hysteresis);
   get("gradient_checkpointing", a.gradient_checkpointing);
   get("pack_by_tokens", a.pack_by_tokens);
   get("seed", a.seed);

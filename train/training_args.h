@@ -20,6 +20,7 @@ inline constexpr std::int64_t kAutoBatch = -1;
 
 struct TrainingArguments {
   std::string output_dir = "runs/microbatch";
+  bool overwrite_output_dir = false;  // a fresh run deletes checkpoints already in output_dir
   std::int64_t per_device_train_batch_size = 8;  // the micro-batch (>= 1), or kAutoBatch ("auto")
   std::int64_t per_device_eval_batch_size = 8;
   std::int64_t gradient_accumulation_steps = 1;
@@ -52,6 +53,8 @@ struct TrainingArguments {
   double loss_scale_floor = 1.0;                 // fp16: the dynamic scale never goes below this
   std::int64_t max_overflows_at_floor = 20;      // fp16: consecutive overflows at the floor that stop the run
   std::int64_t loss_scale_hysteresis = 1;        // fp16: overflows tolerated before backing off (DeepSpeed)
+  bool loss_scale_consecutive_hysteresis = false;  // fp16: only overflows in a row count (DeepSpeed's
+                                                   // consecutive_hysteresis)
   bool gradient_checkpointing = false;           // force activation checkpointing on
   /// With a memory_budget and variable-length token sequences: pack each window's micro-batches by
   /// padded tokens (rows x longest row <= the plan's tokens) rather than by a count of sequences.

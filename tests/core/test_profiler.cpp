@@ -1,9 +1,11 @@
 // The op profiler (core/profiler.h): which names it records and how often, that nested work is
 // counted once, that off records nothing and reset forgets, and that the rows add up to the totals.
 // No test asserts a duration: only counts, names and the arithmetic of the report.
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -160,6 +162,24 @@ TEST_CASE("profiler: a scope left by an exception counts, and the next op is a r
   const profiler::ProfileReport r = profiler::report();
   CHECK(calls(r, "failing") == 1);
   CHECK(calls(r, "add") == 1);
+}
+
+TEST_CASE("profiler: a scope still open at stop() counts only up to the span's end") {
+  profiler::start();
+  {
+    profiler::Scope outer("outer", kCPU, profiler::Nesting::always);
+    profiler::Scope open("open", kCPU, profiler::Nesting::always);
+    profiler::stop();
+    // Time after the span's end, which no row may count (it made a row 400% of the span).
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const profiler::ProfileReport r = profiler::report();
+  CHECK(calls(r, "open") == 1);
+  CHECK(calls(r, "outer") == 1);
+  CHECK(row(r, "open").host_ms <= r.span_ms);
+  CHECK(r.host_total_ms() <= r.span_ms);
+  check_rows_add_up(r);
+  profiler::reset();
 }
 
 TEST_CASE("profiler: a checkpoint's backward holds its recomputation; its inner nodes are rows") {

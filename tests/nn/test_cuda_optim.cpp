@@ -186,7 +186,7 @@ TEST_CASE("the loss-scale rule on a bare state walks with DynamicLossScaler") {
     kernels::apply_loss_scale_update(state, found_inf, scaler.rule());
     CHECK(state.scale == scaler.state().scale);
     CHECK(state.growth_tracker == scaler.growth_tracker());
-    CHECK(state.consecutive_overflows == scaler.consecutive_overflows());
+    CHECK(state.hysteresis_overflows == scaler.hysteresis_overflows());
     CHECK(state.overflows_at_floor == scaler.state().overflows_at_floor);
   }
   CHECK(scaler.scale() >= 1.0);
@@ -531,7 +531,7 @@ MB_CUDA_TEST_CASE("cuda loss-scale update walks with DynamicLossScaler over a sc
     kernels::cuda::memcpy_device_to_host(&got, state.raw_data(), sizeof got, 0);
     CHECK(got.scale == scaler.state().scale);
     CHECK(got.growth_tracker == scaler.growth_tracker());
-    CHECK(got.consecutive_overflows == scaler.consecutive_overflows());
+    CHECK(got.hysteresis_overflows == scaler.hysteresis_overflows());
     CHECK(got.overflows_at_floor == scaler.state().overflows_at_floor);
   }
 }

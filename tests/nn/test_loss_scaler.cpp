@@ -1,5 +1,6 @@
 // DynamicLossScaler: PyTorch's GradScaler update tests replayed, DeepSpeed's hysteresis and floor,
 // the f32 arithmetic of the scale, and checkpoint round trips.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -76,31 +77,38 @@ TEST_CASE("LossScaler: growth that would overflow f32 leaves the scale unchanged
   CHECK(t.scale() == 1.5 * std::ldexp(1.0, 127));
 }
 
-TEST_CASE("LossScaler: without a floor the scale backs off to 0, as PyTorch") {
-  // f32's smallest subnormal is 2^-149; halving from 1 reaches 0 after 150 backoffs.
+TEST_CASE("LossScaler: without a floor the scale stops at 2^-126, where its inverse is finite") {
+  // PyTorch halves on to 0 (2^-149 after 149 backoffs from 1, then 0), and inv_scale = inf then
+  // turns zero gradients into NaN weights. 2^-126 is f32's smallest normal: 126 backoffs from 1.
   DynamicLossScaler s({.init_scale = 1.0});
-  for (int i = 0; i < 149; ++i) s.update(true);
-  CHECK(s.scale() == std::ldexp(1.0, -149));
+  for (int i = 0; i < 125; ++i) s.update(true);
+  CHECK(s.scale() == std::ldexp(1.0, -125));
   s.update(true);
-  CHECK(s.scale() == 0.0);
-  CHECK(std::isinf(s.inv_scale()));
-  CHECK(s.skipped_steps() == 150);
+  CHECK(s.scale() == std::ldexp(1.0, -126));
+  for (int i = 0; i < 30; ++i) CHECK(s.update(true));
+  CHECK(s.scale() == std::ldexp(1.0, -126));
+  CHECK(s.inv_scale() == std::ldexp(1.0f, 126));
+  CHECK(s.skipped_steps() == 156);
+  // Growth leaves it as usual.
+  for (int i = 0; i < 2000; ++i) s.update(false);
+  CHECK(s.scale() == std::ldexp(1.0, -125));
 }
 
-TEST_CASE("LossScaler: hysteresis 2 tolerates one overflow, backs off on the second in a row") {
-  DynamicLossScaler s({.init_scale = 1024.0, .growth_interval = 3, .hysteresis = 2});
+TEST_CASE("LossScaler: consecutive_hysteresis 2 backs off on the second overflow in a row") {
+  DynamicLossScaler s({.init_scale = 1024.0, .growth_interval = 3, .hysteresis = 2,
+                       .consecutive_hysteresis = true});
   CHECK(s.update(true));  // tolerated: skipped, scale kept
   CHECK(s.scale() == 1024.0);
-  CHECK(s.consecutive_overflows() == 1);
-  CHECK_FALSE(s.update(false));  // a finite step resets the count
-  CHECK(s.consecutive_overflows() == 0);
+  CHECK(s.hysteresis_overflows() == 1);
+  CHECK_FALSE(s.update(false));  // a finite step restores the hysteresis
+  CHECK(s.hysteresis_overflows() == 0);
   CHECK(s.update(true));  // tolerated again
   CHECK(s.scale() == 1024.0);
   CHECK(s.update(true));  // second in a row: back off
   CHECK(s.scale() == 512.0);
   CHECK(s.update(true));  // and every further one in the same run
   CHECK(s.scale() == 256.0);
-  CHECK(s.consecutive_overflows() == 3);
+  CHECK(s.hysteresis_overflows() == 3);
   CHECK(s.skipped_steps() == 4);
   // A tolerated overflow still restarts the growth window: it needs 3 finite steps in a row.
   s.update(false);
@@ -112,6 +120,91 @@ TEST_CASE("LossScaler: hysteresis 2 tolerates one overflow, backs off on the sec
   CHECK(s.scale() == 256.0);
   s.update(false);
   CHECK(s.scale() == 512.0);
+}
+
+TEST_CASE("LossScaler: hysteresis 2 (DeepSpeed's default) counts overflows until the scale grows") {
+  // Overflows between finite steps: DeepSpeed's default rule backs off on the second one counted
+  // and every one after, until a growth restores the hysteresis.
+  DynamicLossScaler s({.init_scale = 1024.0, .growth_interval = 3, .hysteresis = 2});
+  CHECK_FALSE(s.config().consecutive_hysteresis);
+  CHECK(s.update(true));  // counted 1: tolerated
+  CHECK(s.scale() == 1024.0);
+  CHECK_FALSE(s.update(false));  // a finite step does not restore it
+  CHECK(s.hysteresis_overflows() == 1);
+  CHECK(s.update(true));  // counted 2: back off
+  CHECK(s.scale() == 512.0);
+  CHECK_FALSE(s.update(false));
+  CHECK(s.update(true));  // counted 3: back off again
+  CHECK(s.scale() == 256.0);
+  // Three finite steps grow the scale and restore the hysteresis: the next overflow is tolerated.
+  for (int i = 0; i < 3; ++i) CHECK_FALSE(s.update(false));
+  CHECK(s.scale() == 512.0);
+  CHECK(s.hysteresis_overflows() == 0);
+  CHECK(s.update(true));
+  CHECK(s.scale() == 512.0);
+  CHECK(s.skipped_steps() == 4);
+}
+
+namespace {
+
+// DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py) in its own
+// terms: cur_hysteresis counts down from delayed_shift, growth every scale_window iterations after
+// the last overflow, the same factor for growth and backoff, min_scale a floor. In f64: the
+// patterns below keep every scale a power of two, exact in f32 too.
+struct DeepSpeedScaler {
+  double cur_scale;
+  double scale_factor;
+  std::int64_t scale_window, delayed_shift, cur_hysteresis;
+  bool consecutive_hysteresis;
+  double min_scale;
+  std::int64_t cur_iter = 0, last_overflow_iter = -1;
+
+  void update_scale(bool overflow) {
+    if (overflow) {
+      if (delayed_shift == 1 || cur_hysteresis == 1) {
+        cur_scale = std::max(cur_scale / scale_factor, min_scale);
+      } else {
+        cur_hysteresis -= 1;
+      }
+      last_overflow_iter = cur_iter;
+    } else {
+      if (consecutive_hysteresis) cur_hysteresis = delayed_shift;
+      if ((cur_iter - last_overflow_iter) % scale_window == 0) {
+        if (!consecutive_hysteresis) cur_hysteresis = delayed_shift;
+        cur_scale *= scale_factor;
+      }
+    }
+    cur_iter += 1;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("LossScaler: hysteresis follows DeepSpeed's update_scale, both ways") {
+  for (const bool consecutive : {false, true}) {
+    for (const std::int64_t h : {1, 2, 3}) {
+      CAPTURE(consecutive);
+      CAPTURE(h);
+      DynamicLossScaler s({.init_scale = 1024.0, .growth_factor = 2.0, .backoff_factor = 0.5,
+                           .growth_interval = 4, .hysteresis = h,
+                           .consecutive_hysteresis = consecutive, .min_loss_scale = 1.0});
+      DeepSpeedScaler ds{.cur_scale = 1024.0, .scale_factor = 2.0, .scale_window = 4,
+                         .delayed_shift = h, .cur_hysteresis = h,
+                         .consecutive_hysteresis = consecutive, .min_scale = 1.0};
+      std::uint64_t state = 12345;  // a fixed pseudo-random pattern, a third of it overflowing
+      int backoffs = 0;
+      for (int i = 0; i < 400; ++i) {
+        state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+        const bool overflow = (state >> 33) % 3 == 0;
+        const double before = s.scale();
+        s.update(overflow);
+        ds.update_scale(overflow);
+        backoffs += s.scale() < before;
+        REQUIRE(s.scale() == ds.cur_scale);
+      }
+      CHECK(backoffs > 10);  // the pattern exercised the backoffs
+    }
+  }
 }
 
 TEST_CASE("LossScaler: min_loss_scale is a floor the scale never goes below") {
@@ -207,7 +300,7 @@ TEST_CASE("LossScaler: state_dict round trip continues identically") {
     CHECK(a.update(found_inf[i]) == b.update(found_inf[i]));
     CHECK(std::bit_cast<std::uint64_t>(a.scale()) == std::bit_cast<std::uint64_t>(b.scale()));
     CHECK(a.growth_tracker() == b.growth_tracker());
-    CHECK(a.consecutive_overflows() == b.consecutive_overflows());
+    CHECK(a.hysteresis_overflows() == b.hysteresis_overflows());
     CHECK(a.skipped_steps() == b.skipped_steps());
   }
   CHECK(a.skipped_steps() > 0);
@@ -222,6 +315,25 @@ TEST_CASE("LossScaler: state_dict round trip continues identically") {
   broken = saved;
   broken["backoff_factor"] = 2.0;
   check_throws_with([&] { b.load_state_dict(broken); }, "backoff_factor");
+  broken = saved;
+  broken["consecutive_hysteresis"] = 1;
+  check_throws_with([&] { b.load_state_dict(broken); }, "consecutive_hysteresis");
+  broken = saved;
+  broken["scale"] = 0.0;  // PyTorch's collapsed scale: never reached here, and inv_scale is inf
+  broken["min_loss_scale"] = 0.0;
+  check_throws_with([&] { b.load_state_dict(broken); }, "2^-126");
+
+  // A state saved before consecutive_hysteresis existed ran with it, its count named
+  // consecutive_overflows.
+  auto old = saved;
+  old.erase("consecutive_hysteresis");
+  old["consecutive_overflows"] = old.at("hysteresis_overflows");
+  old.erase("hysteresis_overflows");
+  DynamicLossScaler c;
+  c.load_state_dict(old);
+  CHECK(c.config().consecutive_hysteresis);
+  CHECK(c.hysteresis_overflows() == a.hysteresis_overflows());
+  CHECK_FALSE(b.config().consecutive_hysteresis);  // the saved config's own
 }
 
 TEST_CASE("LossScaler: bad configs name the field") {
@@ -235,6 +347,8 @@ TEST_CASE("LossScaler: bad configs name the field") {
   check_throws_with(make({.init_scale = 0.0}), "init_scale");
   check_throws_with(make({.init_scale = -1.0}), "init_scale");
   check_throws_with(make({.init_scale = 1e39}), "init_scale");  // inf in f32
+  check_throws_with(make({.init_scale = 1e-39}), "init_scale");  // its inverse is inf in f32
+  check_throws_with(make({.init_scale = 1.0, .min_loss_scale = 1e-39}), "min_loss_scale");
   check_throws_with(make({.min_loss_scale = -1.0}), "min_loss_scale");
   check_throws_with(make({.init_scale = 1.0, .min_loss_scale = 2.0}), "min_loss_scale");
   check_throws_with(make({.max_overflows_at_floor = -1}), "max_overflows_at_floor");

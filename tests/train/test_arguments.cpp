@@ -103,6 +103,17 @@ TEST_CASE("TrainingArguments: out-of-range sizes and batches say what is wrong")
   const BatchTriad t =
       resolve_batch_triad({.per_device_train_batch_size = 64, .train_batch_size = kMax});
   CHECK((t.effective == kMax && t.micro == 64 && t.accumulation == kMax / 64 + 1));
+  // The loss scale's floor is an f32 whose inverse is finite.
+  for (const double floor : {0.0, -1.0, 1e-39, 1e39}) {
+    check_throws_with([&] { TrainingArguments{.loss_scale_floor = floor}.validate(); },
+                      "loss_scale_floor must be in [2^-126, FLT_MAX]");
+  }
+  TrainingArguments{.loss_scale_floor = 0x1p-126}.validate();
+  check_throws_with([] { TrainingArguments{.loss_scale_hysteresis = 0}.validate(); },
+                    "loss_scale_hysteresis must be >= 1");
+  check_throws_with([] { TrainingArguments{.max_overflows_at_floor = -1}.validate(); },
+                    "max_overflows_at_floor must be >= 0");
+  CHECK(from(R"({"loss_scale_consecutive_hysteresis": true})").loss_scale_consecutive_hysteresis);
 }
 
 TEST_CASE("model configs: sizes, heads and dropout are checked, naming the field") {

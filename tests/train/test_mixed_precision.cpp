@@ -267,4 +267,10 @@ TEST_CASE("16-bit gradient accumulators are selectable and the planner charges t
   CHECK(bf16.breakdown.gradients < params * 2 + 1024);
   check_throws_with([] { train::TrainingArguments{.gradient_accumulation_dtype = "f8"}.validate(); },
                     "gradient_accumulation_dtype must be f32, f16 or bf16");
+  // f16 sums hold gradients only under loss scaling.
+  for (const bool bf16 : {false, true}) {
+    check_throws_with([&] { train::TrainingArguments{.gradient_accumulation_dtype = "f16", .bf16 = bf16}.validate(); },
+                      "gradient_accumulation_dtype f16 needs fp16");
+  }
+  train::TrainingArguments{.fp16 = true, .gradient_accumulation_dtype = "f16"}.validate();
 }

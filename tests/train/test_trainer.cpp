@@ -261,8 +261,68 @@ TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming
   batch.gradient_accumulation_steps = 3;
   check_throws_with([&] { resume(batch, train_set); }, "an effective batch of 16, this run has 24");
   check_throws_with([&] { resume(a, other_set); }, "a training set of 96, this run has 80");
+  // The same size, other examples.
+  TensorDataset same_size = synthetic_images(96, 2);
+  check_throws_with([&] { resume(a, same_size); }, "other data of the same size");
   resume(a, train_set);  // the same run goes on
   CHECK(checkpoint_steps(dir.path).back() == 6);
+}
+
+TEST_CASE("Trainer: a fresh run into another run's checkpoints is refused unless it overwrites them") {
+  // Note [A used output_dir]: sharing the folder, the fresh run's rotation would delete its own
+  // newest checkpoint and keep the old run's, and `latest` would resume the old run.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1);
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = 6;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  quiet_train(a, train_set);
+  REQUIRE(checkpoint_steps(dir.path) == std::vector<std::int64_t>{2, 4, 6});
+  TrainingArguments fresh = a;
+  fresh.max_steps = 2;
+  check_throws_with([&] { quiet_train(fresh, train_set); }, "holds checkpoints of another run");
+  CHECK(checkpoint_steps(dir.path) == std::vector<std::int64_t>{2, 4, 6});  // nothing lost
+  fresh.overwrite_output_dir = true;
+  quiet_train(fresh, train_set);
+  CHECK(checkpoint_steps(dir.path) == std::vector<std::int64_t>{2});
+  // The log is the fresh run's alone.
+  std::vector<std::int64_t> steps;
+  for (auto& l : read_log(dir.path))
+    if (!l.contains("event")) steps.push_back(l["step"].get<std::int64_t>());
+  CHECK(steps == std::vector<std::int64_t>{1, 2});
+}
+
+TEST_CASE("Trainer: a resumed run's log holds each step once, as the uninterrupted run's") {
+  // A run stopped after step 6 whose last checkpoint is step 4 (checkpoint-6 removed, as if killed
+  // before it was saved): the resumed run re-runs steps 5 and 6, and their lines from before the
+  // stop are cut from the log, which then reads as the uninterrupted run's plus the resume line.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(96, 1);
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = 6;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  quiet_train(a, train_set);
+  const std::vector<nlohmann::json> whole = read_log(dir.path);
+  fs::remove_all(dir.path / "checkpoint-6");
+  a.resume_from_checkpoint = "latest";
+  quiet_train(a, train_set);
+  std::vector<nlohmann::json> resumed;  // less the resume line and the plan line after it
+  bool after_resume = false;
+  for (auto& l : read_log(dir.path)) {
+    const std::string event = l.value("event", "");
+    after_resume = after_resume || event == "resume";
+    if (event != "resume" && !(after_resume && event == "plan")) resumed.push_back(l);
+  }
+  REQUIRE(resumed.size() == whole.size());
+  for (std::size_t i = 0; i < whole.size(); ++i) {
+    CAPTURE(i);
+    // Step lines carry wall-clock figures; the steps, events and losses must match.
+    CHECK(resumed[i].value("step", -1) == whole[i].value("step", -1));
+    CHECK(resumed[i].value("event", "") == whole[i].value("event", ""));
+    CHECK(resumed[i].value("loss", 0.0) == whole[i].value("loss", 0.0));
+  }
 }
 
 TEST_CASE("Trainer: a malformed trainer state names its field instead of aborting the run") {
@@ -579,6 +639,63 @@ TEST_CASE("Trainer under a memory budget: the epoch's shorter last batch is in t
   CHECK(peaks[0] < run_peak);  // before the first epoch end
   CHECK(even_predicted < predicted);
   CHECK(*std::max_element(even_peaks.begin(), even_peaks.end()) == even_predicted);
+}
+
+TEST_CASE("Trainer: evaluation's predictions are held outside the budget that training fits") {
+  // Note [Predictions outside the budget]: the logits and labels of 4000 evaluation images (190 KB,
+  // and their concatenation as much again) do not fit beside the training's memory under a budget
+  // that just fits a window of 16; held in it, they failed the first evaluation with "one
+  // evaluation sample does not fit", and the run saved no weights.
+  TensorDataset train_set = synthetic_images(64, 6);
+  manual_seed(7);
+  const Tensor eval_labels = (rand({4000}) * 10.0).to(DType::i64);
+  TensorDataset eval_set(rand({4000, 28, 28}), eval_labels);
+  const std::int64_t budget = budget_for_window(small_mlp(), train_set, 16);
+  TempDir dir;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(),
+                  {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                   .train_batch_size = 16, .memory_budget = budget, .max_steps = 2,
+                   .logging_steps = 1, .eval_strategy = "epoch", .use_cpu = true},
+                  train_set, &eval_set, classification_metrics);
+  trainer.set_log_stream(&sink);
+  const TrainOutput out = trainer.train();
+  CHECK(out.global_step == 2);
+  CHECK(out.metrics.count("eval_accuracy") == 1);
+  CHECK(fs::exists(dir.path / "model.safetensors"));
+  int evals = 0;
+  for (auto& l : read_log(dir.path)) {
+    if (l.contains("measured_peak")) CHECK(l["measured_peak"].get<std::int64_t>() <= budget);
+    evals += l.value("event", "") == "eval";
+  }
+  CHECK(evals == 1);
+  const PredictionOutput p = trainer.predict(eval_set);
+  CHECK(p.predictions.shape() == Shape{4000, 10});
+  CHECK(p.label_ids.shape() == Shape{4000});
+  // The labels are the evaluation set's, in order.
+  CHECK(p.label_ids.to_vector() == eval_labels.to_vector());
+}
+
+TEST_CASE("out-of-memory recovery: counting a window's items collates nothing, so a split still runs") {
+  // A window of 100 planned as one micro-batch, and then 250 KB taken before training: the
+  // micro-batch of 100 no longer fits, and one of 50 does (its inputs alone are 157 KB fewer). Counting the window's loss-bearing labels used
+  // to collate the whole window first, outside the recovery, and that collation ran out of memory.
+  TensorDataset train_set = synthetic_images(200, 8);
+  const std::int64_t budget = budget_for_window(small_mlp(), train_set, 100);
+  empty_cache(kCPU);  // no cached blocks in the baseline: the budget is all the room there is
+  TempDir dir;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(),
+                  {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                   .train_batch_size = 100, .memory_budget = budget, .max_steps = 2,
+                   .logging_steps = 1, .use_cpu = true},
+                  train_set);
+  REQUIRE(trainer.plan().micro_batch_size == 100);
+  trainer.set_log_stream(&sink);
+  const Tensor held = empty({250 << 10}, {.dtype = DType::u8});
+  const TrainOutput out = trainer.train();
+  CHECK(out.global_step == 2);
+  CHECK(out.oom_splits > 0);
 }
 
 TEST_CASE("a budget too small for one sample fails at once, saying how much is needed") {
