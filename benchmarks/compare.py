@@ -1,57 +1,110 @@
 #!/usr/bin/env python3
 """Sets microbatch's benchmark results beside PyTorch's and checks them against the issue's targets.
 
-Reads, from DIR (the files scripts/gpu_check.sh writes; a missing one is reported and skipped):
+Reads, from DIR (the files scripts/gpu_check.sh writes; a missing one is reported and skipped, one
+that is empty, cut short or not a JSON object is reported as unreadable and counts as failed):
   kernels.json        bench_kernels_cuda        torch_kernels.json   benchmarks/torch_kernels.py
   gpt2.json           bench_gpt2_cuda           torch_gpt2.json      benchmarks/torch_gpt2.py
+  gpt2_simt.json      bench_gpt2_cuda rerun on the f32-math attention (MB_ATTENTION_KERNEL=simt)
   planner.json        benchmarks/planner_cuda.sh
   attention.json      bench_attention_cuda      torch_attention.json benchmarks/torch_attention.py
 
 Targets (memory-bound kernels, as a fraction of the device's copy bandwidth, Note [Bytes moved] in
-benchmarks/kernels_cuda.cpp): accumulate >= 0.90, AdamW >= 0.85, gradient norm >= 0.80, softmax +
-cross-entropy forward and backward >= 0.80; and each kernel must agree with the CPU reference.
-GPT-2: both runs start from the same weights and tokens, so their first losses must agree within
-0.02 (bf16 rounding), and a run that failed fails; speed and memory are reported as ratios,
-without a target. Planner: the measured peak must stay within the budget. Attention (ours /
+benchmarks/kernels_cuda.cpp): accumulate >= 0.90, AdamW >= 0.85 and no slower than PyTorch's fused
+AdamW, gradient norm >= 0.80, softmax + cross-entropy forward and backward >= 0.80; and each kernel
+must agree with the CPU reference. GPT-2, at each micro-batch: both runs start from the same weights
+and tokens, so their first losses must agree within 0.02 and every step's within 0.05 (bf16
+rounding); the median step time and the peak allocated memory must be no more than PyTorch's
+(max_memory_allocated); a run that failed, or that the file lists but has no result for, fails.
+gpt2_simt.json, where the check wrote one (the tensor-core run measured nothing), is compared the
+same way, beside gpt2.json's failures. Planner: the measured peak must stay within the budget and
+the predicted one within 5% of it. A target whose PyTorch figure is missing (a PyTorch run that
+failed; its peak memory on the CPU) is shown as "-" and named as not checked. Attention (ours /
 PyTorch SDPA time, and how far our two kernels are apart) has no target: it changes no outcome.
 
   python3 benchmarks/compare.py DIR [--json PATH] [--plots PLOTDIR]
-      exit status 1 when a target or a check fails. --plots also draws the results as SVG files in
-      PLOTDIR (gpt2_loss, gpt2_step, kernels, attention and planner .svg, each skipped when its files
-      are missing; drawn by benchmarks/svg_plot.py, no matplotlib); the plots change no outcome.
+      exit status 1 when a target or a check fails. --json writes the summary as standard JSON (a
+      figure that is not finite as null). --plots also draws the results as SVG files in PLOTDIR
+      (gpt2_loss, gpt2_step, kernels, attention and planner .svg, each skipped when its files are
+      missing; drawn by benchmarks/svg_plot.py, no matplotlib); the plots change no outcome.
 """
 import argparse
 import json
+import math
 import os
 import sys
 
 from svg_plot import Figure, bar_panel, finite, line_panel
 
+FIRST_LOSS_TOLERANCE = 0.02  # the same weights and tokens: only the forward's bf16 rounding differs
+# Every step's loss: each side's bf16 rounding of the gradients then steers AdamW (whose update is
+# about lr per element, whatever the gradient's size) apart, step after step. 0.05 is the bound
+# llm.c's test_gpt2.cu holds its bf16 build to over 10 steps against PyTorch: on losses near 11
+# (ln 50257), a little above the 0.03 of half a bf16 spacing there, far below a real divergence.
+LOSS_TOLERANCE = 0.05
+PREDICTION_TOLERANCE = 0.05  # the planner's predicted peak, as a fraction of the measured one
+TIME_TARGETS = ("adamw",)  # kernels that must also take no longer than PyTorch's counterpart
 
-def load(directory, name):
+
+def load(directory, name, unreadable, missing_note=True):
+    """The JSON object in DIR/NAME, else None: a missing file is skipped, an unreadable one (a stage
+    killed while writing it) is said and added to UNREADABLE, to count as failed."""
     path = os.path.join(directory, name)
     if not os.path.exists(path):
-        print(f"  ({name}: not found, skipped)")
+        if missing_note:
+            print(f"  ({name}: not found, skipped)")
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            j = json.load(f)
+        why = None if isinstance(j, dict) else "not a JSON object"
+    except (OSError, ValueError) as e:  # a decoding error is a ValueError too
+        why = f"{type(e).__name__}: {e}"
+    if why:
+        print(f"  ({name}: unreadable, counted as failed: {why})")
+        unreadable.append(name)
+        return None
+    return j
 
 
 def ratio(a, b):
+    a, b = finite(a), finite(b)
     return a / b if a and b else None
 
 
 def fmt(x, spec):
+    # The benchmarks write a figure that is not finite as null (PyTorch's side as NaN).
+    x = finite(x)
     return "-" if x is None else format(x, spec)
 
 
 def mib(x):
+    x = finite(x)
     return None if x is None else x / 2**20
 
 
 def dicts(xs):
     """The entries of a JSON list that are objects: a null list or a null entry is passed over."""
-    return [x for x in xs or [] if isinstance(x, dict)]
+    return [x for x in xs if isinstance(x, dict)] if isinstance(xs, list) else []
+
+
+def no_more_than(ours, theirs):
+    """OURS <= THEIRS; None (not checked) when PyTorch has no figure. A missing figure of ours fails."""
+    ours, theirs = finite(ours), finite(theirs)
+    if theirs is None:
+        return None
+    return ours is not None and ours <= theirs
+
+
+def standard(x):
+    """X with every number that is not finite as None: json.dump would write NaN, which is not JSON."""
+    if isinstance(x, dict):
+        return {k: standard(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [standard(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
 
 
 def compare_kernels(ours, torch_, summary):
@@ -65,66 +118,115 @@ def compare_kernels(ours, torch_, summary):
     print(f"  {'kernel':<30}{'ours ms':>10}{'GB/s':>9}{'vs copy':>9}{'target':>8}  {'result':<8}"
           f"{'torch ms':>10}{'vs copy':>9}{'ours/torch':>11}")
     ok = True
+    notes = []
     for k in dicts(ours.get("kernels")):
-        t = theirs.get(k["name"], {})
+        name = str(k.get("name"))
+        t = theirs.get(k.get("name"), {})
         target = k.get("target")
         meets = k.get("meets_target", True)
+        # AdamW's second target: no slower than torch.optim.AdamW(fused=True).
+        faster = no_more_than(k.get("median_ms"), t.get("median_ms")) if name in TIME_TARGETS else None
+        if name in TIME_TARGETS:
+            notes.append(f"  {name}: time no more than PyTorch's: " + (
+                "not checked (no PyTorch figure)" if faster is None else
+                f"{'pass' if faster else 'FAIL'} ({fmt(k.get('median_ms'), '.4f')} ms, "
+                f"PyTorch {fmt(t.get('median_ms'), '.4f')} ms)"))
         if not k.get("checked", False):
             result = "WRONG"
+        elif faster is False:
+            result = "FAIL"
         elif target is None:
             result = "-"
         else:
             result = "pass" if meets else "FAIL"
-        ok = ok and k.get("checked", False) and meets
+        ok = ok and k.get("checked", False) and meets and faster is not False
         time_ratio = ratio(k.get("median_ms"), t.get("median_ms"))
-        # fmt, not a format spec: the benchmark writes a figure that is not finite as null.
-        print(f"  {k['name']:<30}{fmt(k.get('median_ms'), '.4f'):>10}{fmt(k.get('gb_per_s'), '.1f'):>9}"
+        print(f"  {name:<30}{fmt(k.get('median_ms'), '.4f'):>10}{fmt(k.get('gb_per_s'), '.1f'):>9}"
               f"{fmt(k.get('ratio_to_copy'), '.3f'):>9}"
               f"{fmt(target, '.2f'):>8}  {result:<8}{fmt(t.get('median_ms'), '.4f'):>10}"
               f"{fmt(t.get('ratio_to_copy'), '.3f'):>9}{fmt(time_ratio, '.3f'):>11}")
-        summary["kernels"][k["name"]] = dict(ours_ms=k.get("median_ms"),
-                                             ours_ratio_to_copy=k.get("ratio_to_copy"),
-                                             target=target, result=result, torch_ms=t.get("median_ms"),
-                                             time_ratio_ours_over_torch=time_ratio)
+        summary["kernels"][name] = dict(ours_ms=k.get("median_ms"),
+                                        ours_ratio_to_copy=k.get("ratio_to_copy"),
+                                        target=target, result=result, torch_ms=t.get("median_ms"),
+                                        time_ratio_ours_over_torch=time_ratio)
+        if name in TIME_TARGETS:
+            summary["kernels"][name]["no_slower_than_torch"] = faster
+            if faster is None:
+                summary["not_checked"].append(f"kernels: {name} time against PyTorch's")
     # A kernel whose run threw has no row above; its target counts as missed.
     for e in dicts(ours.get("errors")):
-        print(f"  {e['name']:<30}  failed: {e['error']}")
-        summary["kernels"][e["name"]] = dict(result="failed", error=e["error"])
+        name = str(e.get("name"))
+        print(f"  {name:<30}  failed: {e.get('error')}")
+        summary["kernels"][name] = dict(result="failed", error=e.get("error"))
         ok = False
+    for n in notes:
+        print(n)
     return ok
 
 
-def compare_gpt2(ours, torch_, summary):
+def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
     where = f", {ours['device']}" if ours.get("device") else ""
-    print(f"\nGPT training step ({ours.get('model')}, {ours.get('parameters')} parameters{where}): ours / PyTorch — "
-          "step time and memory lower is better, tokens/s higher is better")
+    attention = f", attention {ours['attention']}" if ours.get("attention") else ""
+    print(f"\nGPT training step{label} ({ours.get('model')}, {ours.get('parameters')} parameters{where}{attention}): "
+          "ours / PyTorch — step time and memory lower is better (the targets: no more than PyTorch's), "
+          "tokens/s higher is better")
     theirs = {r.get("batch"): r for r in dicts((torch_ or {}).get("runs"))}
     print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours tok/s':>12}{'torch tok/s':>12}{'tok/s ratio':>12}"
           f"{'ours MiB':>10}{'torch MiB':>11}{'mem ratio':>10}{'loss[0] ours':>14}{'torch':>9}{'max |dloss|':>12}  result")
     ok = True
+    out = summary[key]
     if ours.get("error"):
         print(f"  failed before any run: {ours['error']}")
-        summary["gpt2"]["error"] = ours["error"]
+        out["error"] = ours["error"]
         ok = False
-    for r in dicts(ours.get("runs")):
+    runs = dicts(ours.get("runs"))
+    # A batch size the run was given but left no result for: killed at its time box.
+    done = [r.get("batch") for r in runs]
+    for b in ours.get("batches") if isinstance(ours.get("batches"), list) else []:
+        if b not in done and not ours.get("error"):
+            runs.append({"batch": b, "error": "no result (the run did not finish)"})
+    for r in runs:
         if r.get("error"):
             print(f"  {str(r.get('batch')):>5}  failed: {r['error']}")
-            summary["gpt2"][str(r["batch"])] = dict(result="failed", error=r["error"])
+            out[str(r.get("batch"))] = dict(result="failed", error=r["error"])
             ok = False
             continue
         t = theirs.get(r.get("batch"), {})
-        loss_ok = None
+        fails = []
         max_diff = None
-        # A loss that was not finite is written as null: it has no difference, and a first loss that
-        # is null agrees with nothing.
-        first = (r.get("losses") or [None])[0]
-        if t.get("losses"):
-            diffs = [abs(x - y) for x, y in zip(r.get("losses") or [], t["losses"])
-                     if x is not None and y is not None]
+        # A loss that was not finite is written as null (NaN on PyTorch's side): it agrees with
+        # nothing, at the first step or any other.
+        ours_losses = r.get("losses") if isinstance(r.get("losses"), list) else []
+        torch_losses = t.get("losses") if isinstance(t.get("losses"), list) else []
+        first = finite((ours_losses or [None])[0])
+        first_torch = finite((torch_losses or [None])[0])
+        losses_ok = None
+        if torch_losses:
+            pairs = [(finite(x), finite(y)) for x, y in zip(ours_losses, torch_losses)]
+            diffs = [abs(x - y) for x, y in pairs if x is not None and y is not None]
             max_diff = max(diffs) if diffs else None
-            loss_ok = first is not None and t["losses"][0] is not None and abs(first - t["losses"][0]) <= 0.02
-            ok = ok and loss_ok
-        result = "-" if loss_ok is None else ("pass" if loss_ok else "FAIL (first losses differ)")
+            if first is None or first_torch is None or abs(first - first_torch) > FIRST_LOSS_TOLERANCE:
+                fails.append("first losses differ")
+            if not pairs or len(diffs) < len(pairs) or max_diff > LOSS_TOLERANCE:
+                fails.append(f"losses differ by more than {LOSS_TOLERANCE}")
+            losses_ok = not fails
+        faster = no_more_than(r.get("step_ms_median"), t.get("step_ms_median"))
+        smaller = no_more_than(r.get("peak_allocated_bytes"), t.get("peak_allocated_bytes"))
+        if faster is False:
+            fails.append("slower than PyTorch")
+        if smaller is False:
+            fails.append("more memory than PyTorch")
+        unchecked = [what for what, held in (("losses", losses_ok), ("step time", faster),
+                                             ("peak memory", smaller)) if held is None]
+        for what in unchecked:
+            summary["not_checked"].append(f"{key}: micro-batch {r.get('batch')} {what} against PyTorch's")
+        ok = ok and not fails
+        if fails:
+            result = f"FAIL ({', '.join(fails)})"
+        elif len(unchecked) == 3:
+            result = "-"  # no PyTorch run to compare with
+        else:
+            result = "pass" + (f" (not checked: {', '.join(unchecked)})" if unchecked else "")
         tok_ratio = ratio(r.get("tokens_per_s"), t.get("tokens_per_s"))
         mem_ratio = ratio(r.get("peak_allocated_bytes"), t.get("peak_allocated_bytes"))
         print(f"  {str(r.get('batch')):>5}{fmt(r.get('step_ms_median'), '.1f'):>10}"
@@ -132,15 +234,16 @@ def compare_gpt2(ours, torch_, summary):
               f"{fmt(t.get('tokens_per_s'), '.0f'):>12}{fmt(tok_ratio, '.3f'):>12}"
               f"{fmt(mib(r.get('peak_allocated_bytes')), '.0f'):>10}{fmt(mib(t.get('peak_allocated_bytes')), '.0f'):>11}"
               f"{fmt(mem_ratio, '.3f'):>10}{fmt(first, '.4f'):>14}"
-              f"{fmt((t.get('losses') or [None])[0], '.4f'):>9}"
+              f"{fmt(first_torch, '.4f'):>9}"
               f"{fmt(max_diff, '.4f'):>12}  {result}")
-        summary["gpt2"][str(r["batch"])] = dict(
+        out[str(r.get("batch"))] = dict(
             ours_step_ms=r.get("step_ms_median"), torch_step_ms=t.get("step_ms_median"),
             ours_tokens_per_s=r.get("tokens_per_s"),
             torch_tokens_per_s=t.get("tokens_per_s"), tokens_per_s_ratio=tok_ratio,
             ours_peak_allocated=r.get("peak_allocated_bytes"), torch_peak_allocated=t.get("peak_allocated_bytes"),
-            memory_ratio=mem_ratio, first_loss_ours=first, first_loss_torch=(t.get("losses") or [None])[0],
-            max_loss_difference=max_diff, result=result)
+            memory_ratio=mem_ratio, first_loss_ours=first, first_loss_torch=first_torch,
+            max_loss_difference=max_diff, losses_agree=losses_ok, no_slower_than_torch=faster,
+            no_more_memory_than_torch=smaller, result=result)
     return ok
 
 
@@ -204,7 +307,8 @@ def compare_attention(ours, torch_, summary):
 
 
 def compare_planner(planner, summary):
-    print("\nPlanner on the GPU: predicted vs measured peak (measured / predicted; must fit the budget)")
+    print("\nPlanner on the GPU: predicted vs measured peak (measured / predicted; must fit the budget, "
+          f"and the prediction be within {PREDICTION_TOLERANCE:.0%} of the measured peak)")
     print(f"  {'budget':>8}{'micro x steps':>15}{'ckpt':>6}{'predicted MiB':>15}{'measured MiB':>14}{'ratio':>8}  result")
     ok = True
     for r in dicts(planner.get("runs")):
@@ -212,15 +316,20 @@ def compare_planner(planner, summary):
             print(f"  {str(r.get('budget')):>8}  {r.get('status')}: {r.get('message', '')}")
             ok = False
             continue
-        pred, meas, budget = r.get("predicted_peak"), r.get("measured_peak"), r.get("budget_bytes")
+        pred, meas = finite(r.get("predicted_peak")), finite(r.get("measured_peak"))
+        budget = finite(r.get("budget_bytes"))
         fits = meas is not None and budget is not None and meas <= budget
-        ok = ok and fits
+        predicted = pred is not None and meas is not None and abs(pred - meas) <= PREDICTION_TOLERANCE * meas
+        ok = ok and fits and predicted
+        fails = ([] if fits else ["over budget"]) + \
+            ([] if predicted else [f"predicted not within {PREDICTION_TOLERANCE:.0%}"])
         plan = f"{r.get('micro_batch_size')} x {r.get('accumulation_steps')}"
         print(f"  {str(r.get('budget')):>8}{plan:>15}{str(r.get('gradient_checkpointing', '-')):>6}"
               f"{fmt(mib(pred), '.0f'):>15}{fmt(mib(meas), '.0f'):>14}{fmt(ratio(meas, pred), '.3f'):>8}"
-              f"  {'pass' if fits else 'FAIL (over budget)'}")
+              f"  {'FAIL (' + ', '.join(fails) + ')' if fails else 'pass'}")
         summary["planner"][str(r.get("budget"))] = dict(predicted_peak=pred, measured_peak=meas,
-                                               ratio=ratio(meas, pred), fits=fits)
+                                                        ratio=ratio(meas, pred), fits=fits,
+                                                        predicted_within_tolerance=predicted)
     return ok
 
 
@@ -254,12 +363,18 @@ def copy_bandwidth(j):
     return "n/a" if v is None else f"{v:.1f} GB/s"
 
 
+def simt_note(ours):
+    """A note for a GPT-2 plot drawn from the rerun on the f32-math attention (gpt2_simt.json)."""
+    return ["ours: the rerun on the f32-math attention kernel (MB_ATTENTION_KERNEL=simt)"] \
+        if "simt" in str(ours.get("attention", "")) else []
+
+
 def plot_gpt2_loss(ours, torch_, path):
     # PyTorch's line dashed over ours: the two runs' losses agree closely, and one would hide the other.
     sides = [("ours", OURS, ours, None), ("PyTorch", TORCH, torch_, "7,4")]
     panels = {}  # micro-batch -> {side: losses}, in the order the runs were made
     failed = {}  # micro-batch -> the sides whose run failed
-    notes = []
+    notes = simt_note(ours)
     for who, _, j, _ in sides:
         if not j:
             continue
@@ -305,8 +420,9 @@ def plot_gpt2_loss(ours, torch_, path):
 
 def plot_gpt2_step(ours, torch_, path):
     theirs = {r.get("batch"): r for r in runs_of(torch_) if not r.get("error")}
-    notes = [f"{who}, micro-batch {r.get('batch')}: failed, left out: {r['error']}"
-             for who, j in (("ours", ours), ("PyTorch", torch_)) for r in runs_of(j) if r.get("error")]
+    notes = simt_note(ours) + [f"{who}, micro-batch {r.get('batch')}: failed, left out: {r['error']}"
+                               for who, j in (("ours", ours), ("PyTorch", torch_)) for r in runs_of(j)
+                               if r.get("error")]
     if ours.get("error"):
         notes.insert(0, f"ours: failed before any run: {ours['error']}")
     if not torch_:
@@ -474,43 +590,64 @@ def write_plots(directory, files):
             print(f"  {name}: not drawn: {type(e).__name__}: {e}")
 
 
+def measured(j):
+    """Whether a GPT-2 file has a run that measured something."""
+    return any(not r.get("error") for r in dicts((j or {}).get("runs")))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir")
     p.add_argument("--json", default="")
     p.add_argument("--plots", default="", metavar="PLOTDIR")
     a = p.parse_args()
-    summary = {"kernels": {}, "gpt2": {}, "planner": {}, "attention": {}}
+    summary = {"kernels": {}, "gpt2": {}, "gpt2_simt": {}, "planner": {}, "attention": {},
+               "not_checked": [], "unreadable": []}
+    unreadable = summary["unreadable"]
     ok = True
-    found = False
     files = {}  # what was read, for the plots
-    ours = files["kernels.json"] = load(a.dir, "kernels.json")
+    ours = files["kernels.json"] = load(a.dir, "kernels.json", unreadable)
     if ours:
-        found = True
-        torch_ = files["torch_kernels.json"] = load(a.dir, "torch_kernels.json")
+        torch_ = files["torch_kernels.json"] = load(a.dir, "torch_kernels.json", unreadable)
         ok = compare_kernels(ours, torch_, summary) and ok
-    ours = files["gpt2.json"] = load(a.dir, "gpt2.json")
+    ours = files["gpt2.json"] = load(a.dir, "gpt2.json", unreadable)
+    # The check's rerun on the f32-math attention, where the tensor-core run measured nothing.
+    simt = files["gpt2_simt.json"] = load(a.dir, "gpt2_simt.json", unreadable, missing_note=False)
+    if ours or simt:
+        torch_ = files["torch_gpt2.json"] = load(a.dir, "torch_gpt2.json", unreadable)
     if ours:
-        found = True
-        torch_ = files["torch_gpt2.json"] = load(a.dir, "torch_gpt2.json")
         ok = compare_gpt2(ours, torch_, summary) and ok
-    planner = files["planner.json"] = load(a.dir, "planner.json")
+    elif simt and "gpt2.json" not in unreadable:
+        print("  (gpt2.json: the tensor-core run left no result, counted as failed)")
+        ok = False
+    if simt:
+        ok = compare_gpt2(simt, torch_, summary, "gpt2_simt",
+                          ", on the f32-math attention kernel (gpt2_simt.json, MB_ATTENTION_KERNEL=simt)") and ok
+    planner = files["planner.json"] = load(a.dir, "planner.json", unreadable)
     if planner:
-        found = True
         ok = compare_planner(planner, summary) and ok
     # No target: neither `ok` nor `found` (an attention run alone has nothing to pass).
-    ours = files["attention.json"] = load(a.dir, "attention.json")
+    ours = files["attention.json"] = load(a.dir, "attention.json", unreadable)
     if ours:
-        files["torch_attention.json"] = load(a.dir, "torch_attention.json")
+        files["torch_attention.json"] = load(a.dir, "torch_attention.json", unreadable)
         compare_attention(ours, files["torch_attention.json"], summary)
+    found = any(files.get(n) for n in ("kernels.json", "gpt2.json", "gpt2_simt.json", "planner.json")) or \
+        bool(unreadable)
     if a.plots:
+        # The plots follow the GPT-2 file that measured something.
+        if not measured(files["gpt2.json"]) and measured(simt):
+            files["gpt2.json"] = simt
         write_plots(a.plots, files)
-    summary["pass"] = ok and found
+    summary["pass"] = ok and found and not unreadable
+    if unreadable:
+        print(f"\nunreadable, counted as failed: {', '.join(unreadable)}")
+    if summary["not_checked"]:
+        print(f"\nnot checked, for want of a PyTorch figure: {'; '.join(summary['not_checked'])}")
     print("\n" + ("all targets and checks pass" if summary["pass"] else
                   "no results to compare" if not found else "some targets or checks FAIL"))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(summary, f, indent=2)
+            json.dump(standard(summary), f, indent=2, allow_nan=False)
     return 0 if summary["pass"] else 1
 
 

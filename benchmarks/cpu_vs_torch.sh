@@ -22,10 +22,11 @@ if [[ $# -ne 2 ]]; then
   echo "usage: bash benchmarks/cpu_vs_torch.sh BUILD_DIR OUTDIR" >&2
   exit 2
 fi
-cd "$(dirname "$0")/.."
+# Both folders relative to where the script was started, before it moves to the repository root.
 build=$(realpath "$1")
 mkdir -p "$2"
 out=$(realpath "$2")
+cd "$(dirname "$0")/.."
 bench="$build/bench_gpt2_cuda"
 if [[ ! -x "$bench" ]]; then
   echo "cpu_vs_torch: $bench is missing: configure a CUDA-enabled build with" \

@@ -12,7 +12,8 @@
 # MB_STAGE_SECONDS, which scripts/gpu_check.sh sets, else 300): each run gets an equal share of what
 # is left when it starts, and a run that is stopped still reports the steps it logged.
 # Each budget's run keeps its output in OUTDIR/planner_<budget>/ (stdout.log, log.jsonl, status).
-# Exit status 1 when a run failed or measured more than its budget.
+# Exit status 1 when a run failed, measured more than its budget, or measured a peak more than 5%
+# away from the predicted one (the targets).
 set -uo pipefail
 
 if [[ $# -lt 2 ]]; then
@@ -53,6 +54,7 @@ done
 import json, os, re, sys
 
 out, budgets = sys.argv[1], sys.argv[2:]
+TOLERANCE = 0.05  # the predicted peak must be within 5% of the measured one
 units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 def parse_bytes(text):
@@ -93,10 +95,12 @@ for budget in budgets:
         run["message"] = " | ".join(tail)
     fits = run.get("measured_peak") is not None and run["budget_bytes"] is not None and \
         run["measured_peak"] <= run["budget_bytes"]
-    ok = ok and run["status"] == "ok" and fits
     pred, meas = run.get("predicted_peak"), run.get("measured_peak")
+    predicted = bool(pred and meas) and abs(pred - meas) <= TOLERANCE * meas
+    ok = ok and run["status"] == "ok" and fits and predicted
     print(f"  {budget:>7}: {run['status']}, micro-batch {run.get('micro_batch_size')} x {run.get('accumulation_steps')}, "
-          f"predicted {pred}, measured {meas}" + (f", measured/predicted {meas / pred:.3f}" if pred and meas else ""))
+          f"predicted {pred}, measured {meas}" + (f", measured/predicted {meas / pred:.3f}" if pred and meas else "")
+          + ("" if fits else ", over budget") + ("" if predicted else f", prediction not within {TOLERANCE:.0%}"))
     runs.append(run)
 with open(os.path.join(out, "planner.json"), "w") as f:
     json.dump({"benchmark": "planner", "model": "gpt2_small", "precision": "bf16", "runs": runs, "pass": ok}, f, indent=2)

@@ -20,6 +20,11 @@ the model was built.
 CPU a step's time is host time, the run records torch's thread count and the OpenBLAS settings it
 ran with, and there is no peak memory: PyTorch keeps no allocator statistics for the CPU.
 
+A batch size whose run throws (out of memory at B = 16, say) is recorded in the JSON as
+{"batch", "error"} and the other batch sizes still run; the JSON is rewritten after every run, so
+that figures once measured survive a later failure or a time box (as bench_gpt2_cuda's). The exit
+status is then 1.
+
 The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
 """
 import argparse
@@ -115,6 +120,61 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(B * T))
 
 
+def run_batch(B, a, cfg, weights, tokens, device, autocast):
+    """Trains the model at micro-batch B from the initial weights: one entry of the JSON's "runs"."""
+    T = cfg["block_size"]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model = GPT(**cfg).to(device)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"torch_gpt2: weights do not match the model: missing {missing}, unexpected {unexpected}")
+    decay = [t for t in model.parameters() if t.dim() >= 2]
+    no_decay = [t for t in model.parameters() if t.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = device.type == "cuda"
+    try:
+        opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8, fused=fused)
+    except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
+        fused = False
+        opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8)
+    batch = tokens[f"tokens_b{B}"].to(device)
+    timer = Timer(device)
+    inputs, labels = batch[:, :T].contiguous(), batch[:, 1:].contiguous()
+
+    # No host synchronisation inside the timed steps (as bench_gpt2_cuda): events around each
+    # step, losses and norms read at the end.
+    marks, losses, norms = [], [], []
+    for i in range(a.warmup + a.steps):
+        m0 = timer.mark()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(inputs, labels)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+        marks.append((m0, timer.mark()))
+        losses.append(loss.detach())
+    times = [timer.ms(x, y) for x, y in marks]
+    losses = [float(x) for x in losses]
+    norms = [float(x) for x in norms]
+    for i, ms in enumerate(times):
+        print(f"  B={B} step {i:2d}: loss {losses[i]:.4f}, grad norm {norms[i]:.3f}, {ms:.1f} ms"
+              + (" (warm-up)" if i < a.warmup else ""))
+    span = timer.ms(marks[a.warmup][0], marks[-1][1]) / a.steps
+    times = times[a.warmup:]
+    med = statistics.median(times)
+    run = dict(batch=B, seq_len=T, tokens_per_step=B * T, step_ms_median=med, step_ms_min=min(times),
+               step_ms_max=max(times), steps_timed=len(times), step_ms_mean_span=span,
+               tokens_per_s=B * T / (med * 1e-3),
+               losses=losses, grad_norms=norms, fused_adamw=fused)
+    if device.type == "cuda":
+        run["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        run["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return run
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weights", required=True)
@@ -133,89 +193,48 @@ def main():
     weights, meta = read_safetensors(a.weights)
     tokens, _ = read_safetensors(a.tokens)
     cfg = {k: int(meta[k]) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
-    T = cfg["block_size"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model_name = meta.get("model") or ("gpt2_small" if cfg["n_layer"] == 12 and cfg["n_embd"] == 768 else "tiny")
     autocast = a.precision == "bf16"
     print(f"torch_gpt2 on {name} with torch {torch.__version__}, {a.precision}: {cfg}")
-
-    runs = []
-    for B in [int(b) for b in a.batch.split(",")]:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        model = GPT(**cfg).to(device)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
-            raise SystemExit(f"torch_gpt2: weights do not match the model: missing {missing}, unexpected {unexpected}")
-        n_params = sum(t.numel() for t in model.parameters())
-        decay = [t for t in model.parameters() if t.dim() >= 2]
-        no_decay = [t for t in model.parameters() if t.dim() < 2]
-        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-        fused = device.type == "cuda"
-        try:
-            opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8, fused=fused)
-        except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
-            fused = False
-            opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8)
-        batch = tokens[f"tokens_b{B}"].to(device)
-        timer = Timer(device)
-        inputs, labels = batch[:, :T].contiguous(), batch[:, 1:].contiguous()
-
-        # No host synchronisation inside the timed steps (as bench_gpt2_cuda): events around each
-        # step, losses and norms read at the end.
-        marks, losses, norms = [], [], []
-        for i in range(a.warmup + a.steps):
-            m0 = timer.mark()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(inputs, labels)
-            loss.backward()
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-            opt.step()
-            marks.append((m0, timer.mark()))
-            losses.append(loss.detach())
-        times = [timer.ms(x, y) for x, y in marks]
-        losses = [float(x) for x in losses]
-        norms = [float(x) for x in norms]
-        for i, ms in enumerate(times):
-            print(f"  B={B} step {i:2d}: loss {losses[i]:.4f}, grad norm {norms[i]:.3f}, {ms:.1f} ms"
-                  + (" (warm-up)" if i < a.warmup else ""))
-        span = timer.ms(marks[a.warmup][0], marks[-1][1]) / a.steps
-        times = times[a.warmup:]
-        med = statistics.median(times)
-        run = dict(batch=B, seq_len=T, tokens_per_step=B * T, step_ms_median=med, step_ms_min=min(times),
-                   step_ms_max=max(times), steps_timed=len(times), step_ms_mean_span=span,
-                   tokens_per_s=B * T / (med * 1e-3),
-                   losses=losses, grad_norms=norms, fused_adamw=fused)
-        if device.type == "cuda":
-            run["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-            run["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-        runs.append(run)
-        del model, opt, batch, inputs, labels, loss
-
-    print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
-    for r in runs:
-        peak = r.get("peak_allocated_bytes")
-        peak = "-" if peak is None else f"{peak / 2**20:.1f}"  # none on the CPU
-        print(f"{r['batch']:>6} {r['step_ms_median']:>12.1f} {r['tokens_per_s']:>12.0f} "
-              f"{peak:>15} {r['losses'][-1]:>10.4f}")
     attention = "SDPA" if hasattr(F, "scaled_dot_product_attention") else "composed (no SDPA in this torch)"
+    # load_state_dict (in run_batch) checks that the file's tensors are the model's parameters.
     out = dict(benchmark="gpt2", implementation="pytorch", torch=torch.__version__, device=name,
-               model=model_name, parameters=n_params,
+               model=model_name, parameters=sum(t.numel() for t in weights.values()),
                precision=("f32 parameters and gradients, bf16 autocast, " if autocast
                           else "f32 parameters, activations and gradients, ") + attention,
                optimizer="AdamW(fused) lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0",
-               warmup=a.warmup, runs=runs)
+               warmup=a.warmup, runs=[])
     if device.type == "cpu":
         out["threads"] = torch.get_num_threads()
         out["openblas_coretype"] = os.environ.get("OPENBLAS_CORETYPE", "")
         out["openblas_num_threads"] = os.environ.get("OPENBLAS_NUM_THREADS", "")
+
+    # Each batch size fails alone, and the JSON is rewritten after each: a later failure or the
+    # check's time box does not take the earlier figures with it.
+    runs = out["runs"]
+    for B in [int(b) for b in a.batch.split(",")]:
+        try:
+            runs.append(run_batch(B, a, cfg, weights, tokens, device, autocast))
+        except Exception as e:  # out of memory, a device fault: this batch size's error
+            print(f"torch_gpt2: B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            runs.append(dict(batch=B, error=f"{type(e).__name__}: {e}"))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
+
+    print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
+    for r in runs:
+        if r.get("error"):
+            print(f"{r['batch']:>6}  failed: {r['error']}")
+            continue
+        peak = r.get("peak_allocated_bytes")
+        peak = "-" if peak is None else f"{peak / 2**20:.1f}"  # none on the CPU
+        print(f"{r['batch']:>6} {r['step_ms_median']:>12.1f} {r['tokens_per_s']:>12.0f} "
+              f"{peak:>15} {r['losses'][-1]:>10.4f}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
         print("wrote", a.json)
-    return 0
+    return 1 if any(r.get("error") for r in runs) else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ What is compared, exactly:
                                                       forward 2 B/logit, backward 4 B/logit (+ 20 B/row)
 
   python3 benchmarks/torch_kernels.py [--json PATH] [--reps 20] [--warmup 3] [--quick] [--device cuda|cpu]
+
+A kernel whose run throws is recorded under the JSON's "errors" as {"name", "error"} and the others
+still run, as in bench_kernels_cuda; the JSON is rewritten after every kernel; the exit status is
+then 1.
 """
 import argparse
 import json
@@ -68,89 +72,109 @@ def main():
     s = QUICK if a.quick or device.type == "cpu" else FULL
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"torch_kernels on {name} with torch {torch.__version__}, median of {a.reps} after {a.warmup} warm-up")
-    results = []
     torch.manual_seed(0)
+    results, errors = [], []
+    out = dict(benchmark="kernels", implementation="pytorch", torch=torch.__version__, device=name,
+               sizes="quick" if s is QUICK else "full", reps=a.reps, warmup=a.warmup, copy_gb_per_s=None,
+               kernels=results, errors=errors)
 
-    # copy
-    n = s["copy_bytes"]
-    src = torch.ones(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    results.append(record("copy", f"{n >> 20} MiB device to device", 2 * n,
-                          time_reps(device, a.warmup, a.reps, lambda: dst.copy_(src))))
-    del src, dst
-    copy_gbps = results[0]["gb_per_s"]
+    def add(r):  # a kernel's figures, against the copy bandwidth (none when the copy failed)
+        copy_gbps = out["copy_gb_per_s"]
+        r["ratio_to_copy"] = r["gb_per_s"] / copy_gbps if copy_gbps else None
+        results.append(r)
 
-    # accumulate
-    n = s["accumulate_n"]
-    for dt, label, nb in ((torch.float32, "f32", 4), (torch.bfloat16, "bf16", 2)):
+    # Each kernel fails alone, as bench_kernels_cuda's: its exception is recorded under "errors", the
+    # others still run, and the JSON is rewritten after each, so that a later failure or the check's
+    # time box does not take the earlier figures with it.
+    def attempt(name, run):
+        try:
+            run()
+        except Exception as e:  # out of memory, a device fault
+            print(f"torch_kernels: {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            errors.append(dict(name=name, error=f"{type(e).__name__}: {e}"))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
+
+    def copy():
+        n = s["copy_bytes"]
+        src = torch.ones(n, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        r = record("copy", f"{n >> 20} MiB device to device", 2 * n,
+                   time_reps(device, a.warmup, a.reps, lambda: dst.copy_(src)))
+        out["copy_gb_per_s"] = r["gb_per_s"]
+        add(r)
+
+    def accumulate(dt, label, nb):
+        n = s["accumulate_n"]
         acc = torch.randn(n, device=device)
         x = torch.randn(n, device=device).to(dt)
-        results.append(record(f"accumulate_f32_{label}", f"f32 ({n}) += 0.25 * {label} ({n})", n * (8 + nb),
-                              time_reps(device, a.warmup, a.reps, lambda: acc.add_(x, alpha=0.25)), 0.90))
-        del acc, x
+        add(record(f"accumulate_f32_{label}", f"f32 ({n}) += 0.25 * {label} ({n})", n * (8 + nb),
+                   time_reps(device, a.warmup, a.reps, lambda: acc.add_(x, alpha=0.25)), 0.90))
 
-    # gradient norm
-    n = s["norm_n"]
-    g = torch.randn(n, device=device) * 1e-2
-    results.append(record("grad_norm", f"vector_norm of f32 ({n})", 4 * n,
-                          time_reps(device, a.warmup, a.reps, lambda: torch.linalg.vector_norm(g)), 0.80))
-    del g
+    def grad_norm():
+        n = s["norm_n"]
+        g = torch.randn(n, device=device) * 1e-2
+        add(record("grad_norm", f"vector_norm of f32 ({n})", 4 * n,
+                   time_reps(device, a.warmup, a.reps, lambda: torch.linalg.vector_norm(g)), 0.80))
 
-    # AdamW over the GPT-2 small arena
-    n = s["arena"]
-    param = torch.nn.Parameter(torch.randn(n, device=device) * 0.02)
-    param.grad = torch.randn(n, device=device) * 1e-2
-    fused = device.type == "cuda"
-    try:
-        opt = torch.optim.AdamW([param], lr=6e-4, weight_decay=0.1, fused=fused)
-    except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
-        fused = False
-        opt = torch.optim.AdamW([param], lr=6e-4, weight_decay=0.1)
-    results.append(record("adamw", f"AdamW(fused={fused}) on one f32 parameter ({n}); counted as 30 B/element", 30 * n,
-                          time_reps(device, a.warmup, a.reps, opt.step), 0.85))
-    del param, opt
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    def adamw():  # over the GPT-2 small arena
+        n = s["arena"]
+        param = torch.nn.Parameter(torch.randn(n, device=device) * 0.02)
+        param.grad = torch.randn(n, device=device) * 1e-2
+        fused = device.type == "cuda"
+        try:
+            opt = torch.optim.AdamW([param], lr=6e-4, weight_decay=0.1, fused=fused)
+        except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
+            fused = False
+            opt = torch.optim.AdamW([param], lr=6e-4, weight_decay=0.1)
+        add(record("adamw", f"AdamW(fused={fused}) on one f32 parameter ({n}); counted as 30 B/element", 30 * n,
+                   time_reps(device, a.warmup, a.reps, opt.step), 0.85))
 
-    # softmax + cross-entropy
-    rows, cols = s["ce_rows"], s["ce_cols"]
-    logits = torch.randn(rows, cols, device=device).to(torch.bfloat16).requires_grad_(True)
-    target = torch.randint(0, cols, (rows,), device=device)
-    target[::97] = -100
-    operands = f"bf16 logits ({rows}, {cols}), i64 target, mean"
-    for _ in range(a.warmup):
-        torch.autograd.grad(F.cross_entropy(logits, target), logits)
-    sync(device)
-    timer = Timer(device)
-    marks = []
-    for _ in range(a.reps):
-        m0 = timer.mark()
-        loss = F.cross_entropy(logits, target)
-        m1 = timer.mark()
-        torch.autograd.grad(loss, logits)
-        marks.append((m0, m1, timer.mark()))
-    fwd = summarize([timer.ms(x, y) for x, y, _ in marks])
-    bwd = summarize([timer.ms(y, z) for _, y, z in marks])
-    both = summarize([timer.ms(x, z) for x, _, z in marks])
-    logit_count = rows * cols
-    results.append(record("cross_entropy_fwd", operands, 2 * logit_count + 20 * rows, fwd))
-    results.append(record("cross_entropy_bwd", operands, 4 * logit_count + 20 * rows, bwd))
-    results.append(record("cross_entropy_fwd_bwd", operands, 6 * logit_count + 40 * rows, both, 0.80))
+    def cross_entropy():  # softmax + cross-entropy
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # AdamW's arena back before the logits (in here: it may throw)
+        rows, cols = s["ce_rows"], s["ce_cols"]
+        logits = torch.randn(rows, cols, device=device).to(torch.bfloat16).requires_grad_(True)
+        target = torch.randint(0, cols, (rows,), device=device)
+        target[::97] = -100
+        operands = f"bf16 logits ({rows}, {cols}), i64 target, mean"
+        for _ in range(a.warmup):
+            torch.autograd.grad(F.cross_entropy(logits, target), logits)
+        sync(device)
+        timer = Timer(device)
+        marks = []
+        for _ in range(a.reps):
+            m0 = timer.mark()
+            loss = F.cross_entropy(logits, target)
+            m1 = timer.mark()
+            torch.autograd.grad(loss, logits)
+            marks.append((m0, m1, timer.mark()))
+        fwd = summarize([timer.ms(x, y) for x, y, _ in marks])
+        bwd = summarize([timer.ms(y, z) for _, y, z in marks])
+        both = summarize([timer.ms(x, z) for x, _, z in marks])
+        logit_count = rows * cols
+        add(record("cross_entropy_fwd", operands, 2 * logit_count + 20 * rows, fwd))
+        add(record("cross_entropy_bwd", operands, 4 * logit_count + 20 * rows, bwd))
+        add(record("cross_entropy_fwd_bwd", operands, 6 * logit_count + 40 * rows, both, 0.80))
+
+    attempt("copy", copy)
+    for dt, label, nb in ((torch.float32, "f32", 4), (torch.bfloat16, "bf16", 2)):
+        attempt(f"accumulate_f32_{label}", lambda: accumulate(dt, label, nb))
+    attempt("grad_norm", grad_norm)
+    attempt("adamw", adamw)
+    attempt("cross_entropy", cross_entropy)
 
     print(f"\n{'kernel':<24} {'MB moved':>10} {'median ms':>10} {'GB/s':>10} {'vs copy':>8}")
     for r in results:
-        r["ratio_to_copy"] = r["gb_per_s"] / copy_gbps if copy_gbps > 0 else 0.0
+        ratio = "-" if r["ratio_to_copy"] is None else f"{r['ratio_to_copy']:.3f}"
         print(f"{r['name']:<24} {r['bytes'] / 1e6:>10.1f} {r['median_ms']:>10.4f} {r['gb_per_s']:>10.1f} "
-              f"{r['ratio_to_copy']:>8.3f}")
-    out = dict(benchmark="kernels", implementation="pytorch", torch=torch.__version__, device=name,
-               sizes="quick" if s is QUICK else "full", reps=a.reps, warmup=a.warmup, copy_gb_per_s=copy_gbps,
-               kernels=results)
+              f"{ratio:>8}")
+    for e in errors:
+        print(f"{e['name']:<24} failed: {e['error']}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=2)
         print("wrote", a.json)
-    return 0
-
+    return 1 if errors else 0
 
 if __name__ == "__main__":
     sys.exit(main())

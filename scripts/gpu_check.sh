@@ -14,8 +14,9 @@
 #   build          the library, the command, the benchmarks and both test suites, on every core,
 #                  keeping going past a target that fails: each later stage needs only its own
 #                  program, built in this run
-#   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json; when it fails, once
-#                  more as bench_gpt2_simt with MB_ATTENTION_KERNEL=simt -> OUTDIR/gpt2_simt.json
+#   bench_gpt2     benchmarks/gpt2_cuda.cpp             -> OUTDIR/gpt2.json; when it fails or times
+#                  out with no run measured, once more as bench_gpt2_simt with MB_ATTENTION_KERNEL=simt
+#                  -> OUTDIR/gpt2_simt.json (and the profile then runs with it too)
 #   profile_gpt2   benchmarks/gpt2_cuda.cpp --profile: time per op of GPT-2 small steps (B = 8)
 #                                                       -> OUTDIR/gpt2_profile.txt (the table), .json
 #   bench_attention benchmarks/attention_cuda.cpp: both kernels, and how far apart -> OUTDIR/attention.json
@@ -34,25 +35,28 @@
 # OUTDIR/results.json (stage -> status pass | fail | timeout | skip, seconds, figures, message),
 # rewritten after every stage (a stage in flight shows as "running"). A failing stage does not
 # stop the others. The script stops starting
-# stages when its deadline is near, so that it ends within MB_GPU_CHECK_SECONDS (default 480).
-# On a machine without a GPU the GPU stages are skipped, saying so.
+# stages when its deadline is near, so that it ends within MB_GPU_CHECK_SECONDS (default 480), and
+# cuts time boxes short so that the comparison keeps 15 s (the planner and the comparison 75 s while
+# the tests and memcheck run). On a machine without a GPU the GPU stages are skipped, saying so.
 # Exit status: 1 when a stage failed or timed out; 2 when none did but some were not started for
-# lack of time; 0 otherwise.
+# lack of time, or at once for a setting below that it cannot use; 0 otherwise.
 #
 # Environment:
 #   MB_GPU_CHECK_SECONDS  the deadline in seconds (default 480)
-#   MB_GPU_CHECK_BOX_SCALE  multiplies every stage's time box (default 1; a slow machine, say 6)
-#   MB_GPU_CHECK_STAGES   the stages to run, space-separated (default: all)
+#   MB_GPU_CHECK_BOX_SCALE  multiplies every stage's time box: a positive number (default 1; a slow
+#                         machine, say 6; 0.5 halves them), rounded up to whole seconds
+#   MB_GPU_CHECK_STAGES   the stages to run, space-separated, among those above (default: all)
 #   BUILD_DIR             the build folder (default build-gpu). It is kept, so a second run only
 #                         rebuilds what changed: when the first run's build took most of the time,
 #                         run the check again. MB_GPU_CHECK_FRESH=1 deletes it first.
 #   MB_DEPS_DIR           the dependency bundle (default deps)
 #   MB_CUDA               ON (default); OFF builds without the CUDA backend (to try this script on
 #                         a machine without nvcc: the GPU stages are then skipped)
-#   PYTHON                the Python that has PyTorch (default python3)
-#   MB_GPU_CHECK_BUNDLE   a .tar.gz path: after every stage, OUTDIR (less any .safetensors) packed
-#                         into it, so that one file carries the whole result even when the run is
-#                         cut short
+#   PYTHON                the Python that has PyTorch (default python3; a venv's, say venv/bin/python).
+#                         Where there is a GPU and it cannot import torch, the PyTorch stages fail.
+#   MB_GPU_CHECK_BUNDLE   a .tar.gz path: after every stage, OUTDIR (less any .safetensors, and less
+#                         the bundle itself when it lies in OUTDIR) packed into it, so that one file
+#                         carries the whole result even when the run is cut short
 # OUTDIR holds only small files: the 500 MB of GPT-2 weights the benchmarks exchange stay in the
 # build folder.
 set -uo pipefail
@@ -76,6 +80,18 @@ ALL_STAGES="configure build bench_gpt2 profile_gpt2 bench_attention bench_kernel
 STAGES="${MB_GPU_CHECK_STAGES:-$ALL_STAGES}"
 BUNDLE="${MB_GPU_CHECK_BUNDLE:-}"
 [[ -n "$BUNDLE" ]] && BUNDLE="$(realpath -m "$BUNDLE")"
+# A typo here would scale every time box to nothing or run no stage at all: refused before anything
+# runs.
+if ! [[ "$BOX_SCALE" =~ ^[0-9]*\.?[0-9]+$ ]] || ! awk -v s="$BOX_SCALE" 'BEGIN { exit !(s > 0) }'; then
+  echo "[gpu_check] MB_GPU_CHECK_BOX_SCALE must be a positive number (it multiplies every time box), not '$BOX_SCALE'" >&2
+  exit 2
+fi
+for stage in $STAGES; do
+  if [[ " $ALL_STAGES " != *" $stage "* ]]; then
+    echo "[gpu_check] MB_GPU_CHECK_STAGES names '$stage', which is no stage; the stages: $ALL_STAGES" >&2
+    exit 2
+  fi
+done
 # Output as it happens, so that a stage killed at its time box still shows how far it got.
 export PYTHONUNBUFFERED=1
 LINEBUF=()
@@ -128,12 +144,16 @@ import json, os, re, sys, time
 
 out, table, start, gpu, nvcc, torch, cuda, cudnn = sys.argv[1:9]
 
-def load(name):
+def load(name):  # None for a file that is missing, unreadable or not a JSON object
     try:
         with open(os.path.join(out, name)) as f:
-            return json.load(f)
+            j = json.load(f)
+        return j if isinstance(j, dict) else None
     except (OSError, ValueError):
         return None
+
+def dicts(xs):  # the entries of a JSON list that are objects
+    return [x for x in xs if isinstance(x, dict)] if isinstance(xs, list) else []
 
 def doctest_counts(text):
     fig = {}
@@ -163,18 +183,18 @@ def figures(name):
         if not j:
             return {}
         fig = {"copy_gb_per_s": j.get("copy_gb_per_s")}
-        for k in j.get("kernels", []):
-            fig[k["name"]] = {key: k.get(key) for key in ("median_ms", "gb_per_s", "ratio_to_copy", "target",
+        for k in dicts(j.get("kernels")):
+            fig[str(k.get("name"))] = {key: k.get(key) for key in ("median_ms", "gb_per_s", "ratio_to_copy", "target",
                                                           "meets_target", "checked") if key in k}
         return fig
     if name in ("bench_gpt2", "bench_gpt2_simt", "torch_gpt2"):
         j = load({"bench_gpt2": "gpt2.json", "bench_gpt2_simt": "gpt2_simt.json"}.get(name, "torch_gpt2.json"))
         if not j:
             return {}
-        fig = {f"batch_{r['batch']}": {key: r[key] for key in ("step_ms_median", "tokens_per_s",
+        fig = {f"batch_{r.get('batch')}": {key: r[key] for key in ("step_ms_median", "tokens_per_s",
                                                               "peak_allocated_bytes", "peak_reserved_bytes",
                                                               "error", "profile_error") if key in r}
-               for r in j.get("runs", [])}
+               for r in dicts(j.get("runs"))}
         if "error" in j:
             fig["error"] = j["error"]
         return fig
@@ -194,9 +214,9 @@ def figures(name):
                 if key in j} if j else {}
     if name == "planner":
         j = load("planner.json")
-        return {r["budget"]: {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",
+        return {str(r.get("budget")): {key: r.get(key) for key in ("status", "micro_batch_size", "accumulation_steps",
                                                          "predicted_peak", "measured_peak")}
-                for r in (j or {}).get("runs", [])}
+                for r in dicts((j or {}).get("runs"))}
     if name == "compare":
         j = load("compare.json")
         return {"pass": j.get("pass")} if j else {}
@@ -219,7 +239,11 @@ with open(os.path.join(out, "results.json"), "w") as f:
 EOF
     echo "[gpu_check] could not write results.json with $PYTHON" >&2
   if [[ -n "$BUNDLE" ]]; then
-    tar -czf "$BUNDLE.part" -C "$OUT" --exclude='*.safetensors' . 2>/dev/null && mv -f "$BUNDLE.part" "$BUNDLE"
+    # A bundle inside OUTDIR leaves itself out: else each one would hold the one before and its own
+    # partial copy.
+    local self=()
+    [[ "$BUNDLE" == "$OUT"/* ]] && self=(--no-wildcards --exclude="./${BUNDLE#"$OUT"/}" --exclude="./${BUNDLE#"$OUT"/}.part")
+    tar -czf "$BUNDLE.part" -C "$OUT" --exclude='*.safetensors' "${self[@]}" . 2>/dev/null && mv -f "$BUNDLE.part" "$BUNDLE"
   fi
 }
 
@@ -230,7 +254,8 @@ FAILED=0
 UNSTARTED=0
 KEEP=0
 run_stage() {
-  local name="$1" box=$(($2 * BOX_SCALE)) min="$3"
+  local name="$1" box min="$3"
+  box=$(awk -v b="$2" -v s="$BOX_SCALE" 'BEGIN { x = b * s; x = (x == int(x)) ? x : int(x) + 1; print (x < 1 ? 1 : x) }')
   shift 3
   local left=$((DEADLINE - $(date +%s) - RESERVE - KEEP))
   if ((left < min)); then
@@ -367,9 +392,12 @@ ready() {  # name program
     return 1
   fi
 }
-need_torch() {  # name
+need_torch() {  # name: for a GPU stage, so there is a GPU and PyTorch's figures are wanted
   [[ -n "$TORCH" ]] && return 0
-  skip_stage "$1" "PyTorch is not importable by $PYTHON"
+  local why="PyTorch is not importable by $PYTHON: set PYTHON to the venv's python (PYTHON=venv/bin/python)"
+  say "$1: failed: $why"
+  record "$1" fail 0 "$why"
+  FAILED=1
   return 1
 }
 
@@ -380,6 +408,7 @@ if [[ -z "$GPU" || "$CUDA" != ON ]]; then
   reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
   GPU_OK=0
 fi
+KEEP=15  # room for the comparison, whatever a benchmark does
 gpu_stage() {  # name: true when the GPU stage NAME is to run
   wanted "$1" || return 1
   ((GPU_OK)) && return 0
@@ -389,18 +418,19 @@ gpu_stage() {  # name: true when the GPU stage NAME is to run
 # GPT-2's initial weights and tokens, which bench_gpt2 writes and torch_gpt2 reads (500 MB: kept out
 # of OUTDIR).
 GPT2_IO="$BUILD_DIR/gpt2_io"
-PROFILE_ENV=()  # the profile follows the GPT-2 run that worked
+PROFILE_ENV=()  # the profile follows the GPT-2 run: on the f32-math kernels after a fallback
 if gpu_stage bench_gpt2 && ready bench_gpt2 bench_gpt2_cuda; then
   mkdir -p "$GPT2_IO"
   run_stage bench_gpt2 90 45 "$BUILD_DIR/bench_gpt2_cuda" --out-dir "$GPT2_IO" --json "$OUT/gpt2.json"
-  # No run measured (a run that failed alone, out of memory at B = 16 say, leaves the others'):
-  # once more on the f32-math attention kernels, so that a fault in the tensor-core ones (the
-  # newest) still leaves the rest of the step measured.
-  if [[ "$(tail -n 1 "$TABLE" | cut -f2)" == fail ]] &&
+  # No run measured, the run failed or hung (a run that failed alone, out of memory at B = 16 say,
+  # leaves the others'): once more on the f32-math attention kernels, so that a fault in the
+  # tensor-core ones (the newest) still leaves the rest of the step measured, and profiled.
+  if [[ "$(tail -n 1 "$TABLE" | cut -f2)" =~ ^(fail|timeout)$ ]] &&
      ! "$PYTHON" -c 'import json, sys; sys.exit(0 if any("error" not in r for r in json.load(open(sys.argv[1]))["runs"]) else 1)' \
        "$OUT/gpt2.json" 2>/dev/null; then
+    PROFILE_ENV=(MB_ATTENTION_KERNEL=simt)
     run_stage bench_gpt2_simt 90 45 env MB_ATTENTION_KERNEL=simt "$BUILD_DIR/bench_gpt2_cuda" \
-      --out-dir "$GPT2_IO" --json "$OUT/gpt2_simt.json" && PROFILE_ENV=(MB_ATTENTION_KERNEL=simt)
+      --out-dir "$GPT2_IO" --json "$OUT/gpt2_simt.json"
   fi
 fi
 if gpu_stage profile_gpt2 && ready profile_gpt2 bench_gpt2_cuda; then
@@ -430,14 +460,13 @@ gpu_stage torch_kernels && need_torch torch_kernels &&
   run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
 
 # ---- tests (their CUDA cases run where there is a GPU) ------------------------------------------
-KEEP=75  # room for the planner's runs and the comparison, whatever a test suite does
+KEEP=75  # room for the planner's runs and the comparison, whatever a test suite or memcheck does
 for suite in tests_core tests_train; do
   if ready "$suite" "$suite"; then
     # From the build folder, as CTest runs them.
     run_stage "$suite" 90 15 bash -c "cd '$BUILD_DIR' && exec ./$suite"
   fi
 done
-KEEP=0
 
 if gpu_stage sanitizer && ready sanitizer microbatch; then
   if [[ -z "$SANITIZER" ]]; then
@@ -466,7 +495,8 @@ gpu_stage planner && ready planner microbatch &&
   run_stage planner 150 60 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
 KEEP=0
 if gpu_stage compare; then
-  if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/planner.json" || -f "$OUT/attention.json" ]]; then
+  if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/gpt2_simt.json" || -f "$OUT/planner.json" ||
+        -f "$OUT/attention.json" ]]; then
     run_stage compare 15 5 "$PYTHON" benchmarks/compare.py "$OUT" --json "$OUT/compare.json" --plots "$OUT/plots"
   else
     skip_stage compare "no benchmark results to compare"
