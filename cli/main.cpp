@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "core/profiler.h"
 #include "nn/models.h"
@@ -55,7 +57,9 @@ struct Options {
   std::map<std::string, CLI::Option*> given_options;  // count() > 0: the flag was given
   std::map<std::string, bool> switches;      // boolean TrainingArguments (--fp16, --pack-by-tokens=false)
   std::map<std::string, CLI::Option*> switch_options;
-  bool json = false;
+  bool json = false;  // TrainingArguments.json (not in to_json): a switch of its own
+  CLI::Option* json_option = nullptr;
+  std::vector<CLI::Option*> model_options;  // read by some models or datasets only
   bool eval_strategy_given = false;  // by a flag or the config file
   bool profile = false;  // train only
   mb::nn::GPTConfig gpt{};
@@ -63,48 +67,80 @@ struct Options {
   double dropout = 0.0;
 };
 
+// "TrainingArguments.learning_rate (default 0.001)": the command's default, as JSON spells it.
+std::string describe_argument(const std::string& name, const nlohmann::json& value) {
+  const std::string shown = value.is_string() ? value.get<std::string>() : value.dump();
+  return fmt::format("TrainingArguments.{} (default {})", name, shown.empty() ? "none" : shown);
+}
+
+// The value's kind in --help, rather than CLI11's TEXT for every flag read as text.
+std::string argument_type(const std::string& name, const nlohmann::json& value) {
+  if (name == "per_device_train_batch_size") return "INT|auto";
+  if (name == "memory_budget") return "SIZE";  // 512MiB, 2GB or bytes
+  return value.is_number_integer() ? "INT" : value.is_number() ? "FLOAT" : "TEXT";
+}
+
 void add_model_flags(CLI::App& cmd, Options& o) {
   // A flag given twice takes its last value, so wrappers such as scripts/train.sh can be overridden.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd.add_option("--model", o.model, "mlp, cnn, gpt (sized by the flags below) or gpt2 (GPT-2 small, 124M)")
       ->check(CLI::IsMember({"mlp", "cnn", "gpt", "gpt2"}));
-  cmd.add_option("--data", o.data,
-                 "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
-                 "text file (gpt, gpt2; default ../shared/data/tinyshakespeare.txt)");
+  // The flags only some models or datasets read (refuse_unused_flags).
+  auto model_option = [&](const std::string& name, auto& value, const std::string& description) {
+    o.model_options.push_back(cmd.add_option(name, value, description));
+    return o.model_options.back();
+  };
+  model_option("--data", o.data,
+               "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
+               "text file (gpt, gpt2; default ../shared/data/tinyshakespeare.txt)");
   cmd.add_option("--dataset", o.dataset,
                  "file: the data --data names; synthetic: seeded uniform random tokens (gpt, gpt2), for "
                  "speed and memory benchmarks only (there is nothing in them to learn)")
       ->check(CLI::IsMember({"file", "synthetic"}));
-  cmd.add_option(both_spellings("synthetic_size"), o.synthetic_size, "synthetic: number of sequences");
-  cmd.add_option(both_spellings("vocab_size"), o.vocab_size, "gpt on synthetic tokens: vocabulary size");
+  model_option(both_spellings("synthetic_size"), o.synthetic_size, "synthetic: number of sequences");
+  model_option(both_spellings("vocab_size"), o.vocab_size, "gpt on synthetic tokens: vocabulary size");
   cmd.add_option("--config", o.config, "TrainingArguments as a JSON file");
-  o.block_size_option = cmd.add_option(both_spellings("block_size"), o.gpt.block_size,
-                                       "gpt: sequence length; gpt2: training sequence length (at most 1024)");
-  cmd.add_option(both_spellings("n_layer"), o.gpt.n_layer, "gpt: blocks");
-  cmd.add_option(both_spellings("n_head"), o.gpt.n_head, "gpt: attention heads");
-  cmd.add_option(both_spellings("n_embd"), o.gpt.n_embd, "gpt: width");
-  cmd.add_option(both_spellings("text_level"), o.text_level, "gpt: byte or char vocabulary")
+  o.block_size_option = model_option(both_spellings("block_size"), o.gpt.block_size,
+                                     "gpt: sequence length; gpt2: training sequence length (at most 1024)");
+  model_option(both_spellings("n_layer"), o.gpt.n_layer, "gpt: blocks");
+  model_option(both_spellings("n_head"), o.gpt.n_head, "gpt: attention heads");
+  model_option(both_spellings("n_embd"), o.gpt.n_embd, "gpt: width");
+  model_option(both_spellings("text_level"), o.text_level, "gpt, gpt2 on a text file: byte or char vocabulary")
       ->check(CLI::IsMember({"byte", "char"}));
-  cmd.add_option("--dropout", o.dropout);
+  cmd.add_option("--dropout", o.dropout, "dropout probability, any model (default 0)");
   // Every TrainingArguments field is a flag of the same name.
   const nlohmann::json defaults = command_defaults().to_json();
   for (auto& [name, value] : defaults.items()) {
     if (value.is_boolean()) {
-      o.switch_options[name] = cmd.add_flag(both_spellings(name), o.switches[name], "TrainingArguments." + name);
+      o.switch_options[name] =
+          cmd.add_flag(both_spellings(name), o.switches[name], describe_argument(name, value));
     } else {
       o.given_options[name] =
-          cmd.add_option(both_spellings(name), o.given[name], "TrainingArguments." + name);
+          cmd.add_option(both_spellings(name), o.given[name], describe_argument(name, value))
+              ->type_name(argument_type(name, value));
     }
   }
-  cmd.add_flag("--json", o.json, "print one JSON object per log line");
+  o.json_option = cmd.add_flag("--json", o.json,
+                               "print one JSON object per log line (plan: the plan as JSON); "
+                               "TrainingArguments.json (default false)");
 }
 
-// A flag given an empty value (--output-dir "") is a mistake, not a request for the default.
-void refuse_empty_values(const CLI::App& cmd) {
+// A flag given no value is a mistake, not a request for the default: an empty value
+// (--output-dir "") or another of the command's flags, which CLI11 takes as the value
+// (--output-dir --fp16 would train in f32 into ./--fp16/). A negative number is a value.
+void refuse_missing_values(const CLI::App& cmd) {
+  std::set<std::string> flags;
+  for (const CLI::Option* option : cmd.get_options()) {
+    for (const std::string& name : option->get_lnames()) flags.insert("--" + name);
+    for (const std::string& name : option->get_snames()) flags.insert("-" + name);
+  }
   for (const CLI::Option* option : cmd.get_options()) {
     if (option->get_expected_min() == 0) continue;  // a switch: it takes no value
-    for (const std::string& value : option->results())
+    for (const std::string& value : option->results()) {
       MB_CHECK(!value.empty(), "[{}] needs a value, got an empty one", option->get_name());
+      const std::string flag = value.substr(0, value.find('='));  // --bf16=true names --bf16
+      MB_CHECK(!flags.count(flag), "[{}] needs a value; got the flag {}", option->get_name(), flag);
+    }
   }
 }
 
@@ -149,6 +185,8 @@ mb::train::TrainingArguments training_arguments(Options& o) {
     } else {
       try {
         j[name] = nlohmann::json::parse(text);
+      } catch (const nlohmann::json::out_of_range&) {  // 1e999: past a double's 1.8e308
+        MB_CHECK(false, "[{}] '{}' is out of range", name, text);
       } catch (const nlohmann::json::exception&) {
         MB_CHECK(false, "[{}] expected a number, got '{}'", name, text);
       }
@@ -156,7 +194,7 @@ mb::train::TrainingArguments training_arguments(Options& o) {
   }
   for (auto& [name, option] : o.switch_options)
     if (option->count() > 0) j[name] = o.switches[name];
-  if (o.json) j["json"] = true;  // else the config file's, or false
+  if (o.json_option->count() > 0) j["json"] = o.json;  // else the config file's, or false
   o.eval_strategy_given = given.count("eval_strategy") > 0;
   mb::train::TrainingArguments args = mb::train::TrainingArguments::from_json(j);
   derive_micro_batch(args, given);
@@ -170,10 +208,32 @@ struct Job {
   mb::train::ComputeMetrics metrics;
 };
 
+// Refuses, by name, the model and data flags given that the chosen model and dataset do not read,
+// rather than ignoring them (plan --model gpt2 --n-layer 2 would plan GPT-2 small).
+void refuse_unused_flags(const Options& o) {
+  const bool gpt = o.model == "gpt", gpt2 = o.model == "gpt2", synthetic = o.dataset == "synthetic";
+  std::set<std::string> read;
+  if (!synthetic) read.insert("--data");
+  if (gpt || gpt2) read.insert({"--block-size", synthetic ? "--synthetic-size" : "--text-level"});
+  if (gpt) read.insert({"--n-layer", "--n-head", "--n-embd"});
+  if (gpt && synthetic) read.insert("--vocab-size");  // gpt2 keeps GPT-2's 50257 tokens
+  std::string unused;  // "--n-layer, --n-head"
+  for (const CLI::Option* option : o.model_options)
+    if (option->count() > 0 && !read.count(option->get_name()))
+      unused += (unused.empty() ? "" : ", ") + option->get_name();
+  MB_CHECK(unused.empty(), "[--model {}{}] does not use {}{}", o.model,
+           synthetic ? " --dataset synthetic" : "", unused,
+           gpt2 ? " (gpt2 is GPT-2 small, of fixed sizes; --model gpt takes them)" : "");
+}
+
 // The datasets and the model of a run; the evaluation split is read only when `need_eval` (a run
 // that evaluates), so that a short text with no room for one trains without evaluation, as a
 // Hugging Face Trainer needs no eval_dataset under eval_strategy "no", and a plan reads none.
 Job make_job(Options& o, bool need_eval) {
+  MB_CHECK(o.dataset == "file" || o.model == "gpt" || o.model == "gpt2",
+           "[--dataset] synthetic data is token sequences, for gpt and gpt2; {} reads Fashion-MNIST",
+           o.model);
+  refuse_unused_flags(o);
   Job job;
   if (o.model == "gpt" || o.model == "gpt2") {
     // gpt2 keeps GPT-2 small's 1024 positions and 50257 tokens whatever the data: its sequences may be
@@ -203,7 +263,12 @@ Job make_job(Options& o, bool need_eval) {
       auto train_text = std::make_unique<mb::train::TextDataset>(path, text);
       if (need_eval) {
         text.split = mb::train::Split::Val;
-        job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+        try {
+          job.eval_set = std::make_unique<mb::train::TextDataset>(path, text);
+        } catch (const mb::Error& e) {  // the training split was read: the last tenth is too short
+          MB_CHECK(false, "{}; train without evaluation (--eval-strategy no) or with a smaller "
+                   "--block-size", e.what());
+        }
       }
       if (!gpt2) cfg.vocab_size = train_text->vocab_size();
       MB_CHECK(train_text->vocab_size() <= cfg.vocab_size, "[gpt2] {} has {} distinct tokens, more than GPT-2's {}",
@@ -213,8 +278,6 @@ Job make_job(Options& o, bool need_eval) {
     job.weight_bytes = cfg.parameter_count() * 4.0;
     job.model_init = [cfg] { return std::make_unique<mb::nn::GPT>(cfg); };
   } else {
-    MB_CHECK(o.dataset == "file", "[--dataset] synthetic data is token sequences, for gpt and gpt2; {} reads "
-             "Fashion-MNIST", o.model);
     const std::string root = o.data.empty() ? mb::train::kFashionMnistRoot : o.data;
     job.train_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Train);
     if (need_eval) job.eval_set = std::make_unique<mb::train::FashionMNIST>(root, mb::train::Split::Test);
@@ -291,7 +354,7 @@ int run_plan(Options& o) {
   // Planned on the meta device only: a plan for cuda needs no GPU here.
   const mb::train::MemoryPlan plan =
       mb::train::plan_training(job.model_init, args, *job.train_set, args.requested_device());
-  if (o.json) std::cout << plan.to_json().dump(2) << "\n";
+  if (args.json) std::cout << plan.to_json().dump(2) << "\n";
   else std::cout << plan.str();
   return 0;
 }
@@ -358,11 +421,11 @@ int main(int argc, char** argv) {
   CLI::App* check_cmd = app.add_subcommand("check-accumulation",
                                            "one step on a full batch vs. the same batch in micro-batches");
   check_cmd->add_option("--dtype", dtypes, "f64, f32 or both")->check(CLI::IsMember({"f64", "f32", "both"}));
-  check_cmd->add_flag("--json", json);
+  check_cmd->add_flag("--json", json, "print one JSON object per check, then one with the result");
   CLI11_PARSE(app, argc, argv);
   try {
     for (const CLI::App* cmd : {train_cmd, plan_cmd, check_cmd})
-      if (cmd->parsed()) refuse_empty_values(*cmd);
+      if (cmd->parsed()) refuse_missing_values(*cmd);
     if (train_cmd->parsed()) return run_train(train);
     if (plan_cmd->parsed()) return run_plan(plan);
     if (check_cmd->parsed()) return run_check_accumulation(dtypes, json);

@@ -6,5 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 BUILD_DIR="${BUILD_DIR:-build}"
-exec "$BUILD_DIR/microbatch" train --model mlp --per-device-train-batch-size 64 \
-  --num-train-epochs 10 --learning-rate 1e-3 --logging-steps 500 --eval-strategy epoch "$@"
+# No --per-device-train-batch-size: the command's 64 is a default, so that
+# `--gradient-accumulation-steps 4 --train-batch-size 100` gives micro-batches of 25.
+exec "$BUILD_DIR/microbatch" train --model mlp --num-train-epochs 10 --learning-rate 1e-3 \
+  --logging-steps 500 --eval-strategy epoch "$@"

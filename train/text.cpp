@@ -137,7 +137,8 @@ TextDataset::TextDataset(const std::string& path, TextOptions options)
     cps.reserve(text.size());
     Utf8Error error;
     MB_CHECK(decode_utf8(text, cps, error),
-             "[TextDataset] {}: invalid UTF-8 at byte offset {}: {} (TextLevel::Byte reads any file)",
+             "[TextDataset] {}: invalid UTF-8 at byte offset {}: {} (TextLevel::Byte, the command's "
+             "--text-level byte, reads any file)",
              path, error.offset, error.reason);
     code_points_ = cps;
     std::sort(code_points_.begin(), code_points_.end());

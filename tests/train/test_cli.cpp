@@ -1,0 +1,352 @@
+// The `microbatch` command (cli/main.cpp) run as a user runs it: flags over the config file over
+// the command's defaults, bad input refused with a message and exit status 2, --help, --json, and
+// scripts/train.sh (kill-and-resume through the command is test_trainer.cpp's).
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tests/core/harness.h"
+#include "train/fashion_mnist.h"
+#include "train/training_args.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+namespace fs = std::filesystem;
+
+#ifdef MB_CLI_PATH
+namespace {
+struct CommandResult {
+  int status = -1;     // the exit status, or 128 + the signal that ended it
+  std::string output;  // stdout and stderr
+};
+
+// Runs the command with `args` in the folder `cwd` (default: this one), for at most two minutes
+// (a hang exits 124).
+CommandResult run_command(const std::string& args, const fs::path& out, const fs::path& cwd = {}) {
+  const std::string cmd =
+      fmt::format("{}timeout 120 {} {} > {} 2>&1", cwd.empty() ? "" : "cd " + cwd.string() + " && ",
+                  MB_CLI_PATH, args, out.string());
+  const int raw = std::system(cmd.c_str());
+  CommandResult r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128 + WTERMSIG(raw);
+  std::ifstream in(out);
+  r.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return r;
+}
+
+// Runs each case's arguments, expecting exit status 2 and the case's message.
+void expect_refusals(const std::vector<std::pair<std::string, std::string>>& cases,
+                     const fs::path& out, const fs::path& cwd = {}) {
+  for (const auto& [args, message] : cases) {
+    INFO(args);
+    const CommandResult r = run_command(args, out, cwd);
+    INFO(r.output);
+    CHECK(r.status == 2);
+    CHECK(r.output.find(message) != std::string::npos);
+  }
+}
+
+// The step lines of dir/log.jsonl (not its events).
+std::vector<nlohmann::json> step_lines(const fs::path& dir) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(dir / "log.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("event")) lines.push_back(std::move(j));
+  }
+  return lines;
+}
+
+// A small GPT on synthetic tokens, one step on the CPU, into dir/run.
+std::string tiny_gpt(const std::string& command, const fs::path& dir) {
+  return fmt::format(
+      "{} --model gpt --dataset synthetic --synthetic-size 32 --vocab-size 16 --n-layer 1 "
+      "--n-head 2 --n-embd 8 --block-size 8 --use-cpu --max-steps 1 --output-dir {}",
+      command, (dir / "run").string());
+}
+}  // namespace
+
+TEST_CASE("the command: a config file's keys go over the command's defaults, the rest stay") {
+  TempDir dir;
+  const fs::path config = dir.path / "args.json";
+  std::ofstream(config) << R"({"max_steps": 1, "logging_steps": 1})";
+  const std::string cmd = fmt::format(
+      "{} train --model gpt --dataset synthetic --synthetic-size 128 --vocab-size 32 --n-layer 1 --n-head 2 "
+      "--n-embd 16 --block-size 16 --use-cpu --config {} --output-dir {} > /dev/null 2>&1",
+      MB_CLI_PATH, config.string(), dir.path.string());
+  // Synthetic tokens have no evaluation split: the command's per-epoch evaluation is off for them.
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  std::vector<nlohmann::json> lines = step_lines(dir.path);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0]["micro_batch_size"] == 64);  // the command's default, not the library's 8
+}
+
+TEST_CASE("the command: bad input is a message and exit status 2, never an abort or a hang") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt", file = dir.path / "a_file";
+  std::ofstream(file) << "x";
+  const std::string gpt = tiny_gpt("train", dir.path);
+  const std::pair<std::string, std::string> cases[] = {
+      {"--output-dir /proc/microbatch_test",
+       "error: [Trainer] cannot create output_dir '/proc/microbatch_test'"},
+      {"--output-dir " + file.string(),
+       "error: [Trainer] cannot create output_dir '" + file.string() + "'"},
+      {"--output-dir ''", "error: [--output-dir] needs a value, got an empty one"},
+      {"--data ''", "error: [--data] needs a value"},
+      {"--n-head 0", "error: [GPT] n_head must be >= 1, got 0"},
+      {"--n-head -4", "error: [GPT] n_head must be >= 1, got -4"},
+      {"--n-layer 0", "error: [GPT] n_layer must be >= 1, got 0"},
+      {"--n-layer -1", "error: [GPT] n_layer must be >= 1, got -1"},
+      {"--block-size 0", "error: [--block-size] must be >= 1, got 0"},
+      {"--memory-budget 1e30", "error: [memory_budget] '1e30' is too large"},
+      {"--per-device-train-batch-size 0",
+       "per_device_train_batch_size must be >= 1 or \"auto\", got 0"},
+      {"--gradient-accumulation-steps 3 --train-batch-size 32",
+       "train_batch_size 32 is not divisible by gradient_accumulation_steps 3"},
+      {"--gradient-accumulation-steps 4 --train-batch-size 32 --per-device-train-batch-size 64",
+       "per_device_train_batch_size 64 x gradient_accumulation_steps 4 = 256 does not equal "
+       "train_batch_size 32"},
+  };
+  std::vector<std::pair<std::string, std::string>> full;
+  for (const auto& [args, message] : cases) full.emplace_back(gpt + " " + args, message);
+  expect_refusals(full, out);
+}
+
+TEST_CASE("the command: any two of the batch triad give the third; a huge effective batch trains") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  auto train = [&](const std::string& name, const std::string& args) {
+    const std::string a = fmt::format(
+        "train --model gpt --dataset synthetic --synthetic-size 40 --vocab-size 16 --n-layer 1 "
+        "--n-head 2 --n-embd 8 --block-size 8 --use-cpu --max-steps 1 --logging-steps 1 "
+        "--output-dir {} {}",
+        (dir.path / name).string(), args);
+    const CommandResult r = run_command(a, out);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const std::vector<nlohmann::json> lines = step_lines(dir.path / name);
+    REQUIRE(lines.size() == 1);
+    return lines[0];
+  };
+  // The command's default micro-batch (64) does not count as given.
+  nlohmann::json l =
+      train("steps_and_total", "--gradient-accumulation-steps 4 --train-batch-size 20");
+  CHECK(l["micro_batch_size"] == 5);
+  CHECK(l["steps_per_window"] == 4);
+  l = train("micro_and_total", "--per-device-train-batch-size 4 --train-batch-size 20");
+  CHECK(l["steps_per_window"] == 5);
+  l = train("micro_and_steps", "--per-device-train-batch-size 4 --gradient-accumulation-steps 2");
+  CHECK(l["samples"] == 8);
+  l = train("total_only", "--train-batch-size 12");  // the default micro-batch, capped by the batch
+  CHECK(l["micro_batch_size"] == 12);
+  // Past the 40 sequences: one window of all of them, at once rather than never.
+  l = train("huge", "--train-batch-size 9223372036854775807 --per-device-train-batch-size 16");
+  CHECK(l["samples"] == 40);
+  CHECK(l["steps_per_window"] == 3);
+}
+
+TEST_CASE("the command: check-accumulation --json prints JSON lines only") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  const CommandResult r = run_command("check-accumulation --json", out);
+  REQUIRE(r.status == 0);
+  std::istringstream lines(r.output);
+  std::string line;
+  std::vector<nlohmann::json> rows;
+  while (std::getline(lines, line)) {
+    INFO(line);
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    REQUIRE_FALSE(j.is_discarded());
+    rows.push_back(j);
+  }
+  REQUIRE(rows.size() > 1);
+  CHECK(rows.back() == nlohmann::json{{"result", "accumulation is exact"}, {"pass", true}});
+  int naive = 0;
+  for (std::size_t i = 0; i + 1 < rows.size(); ++i) {
+    CHECK(rows[i]["pass"] == true);
+    if (!rows[i].contains("naive_max_grad_rel")) continue;
+    ++naive;
+    CHECK(rows[i]["naive_max_grad_rel"].get<double>() > 0.0);
+  }
+  CHECK(naive > 0);
+  CHECK(naive < static_cast<int>(rows.size()) - 1);  // the rows without the figure leave it out
+}
+
+TEST_CASE("the command: a flag with no value is refused, not given the next flag as its value") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  // Run in dir: a swallowed flag would train into dir/--fp16.
+  const std::string gpt = tiny_gpt("train", dir.path);
+  expect_refusals(
+      {
+          {gpt + " --eval-strategy no --output-dir --fp16",
+           "error: [--output-dir] needs a value; got the flag --fp16"},
+          {gpt + " --output_dir --use_cpu",
+           "error: [--output-dir] needs a value; got the flag --use_cpu"},
+          {gpt + " --learning-rate --bf16",
+           "error: [--learning-rate] needs a value; got the flag --bf16"},
+          {gpt + " --data --pack-by-tokens=false",
+           "error: [--data] needs a value; got the flag --pack-by-tokens"},
+          {tiny_gpt("plan", dir.path) + " --memory-budget --json",
+           "error: [--memory-budget] needs a value; got the flag --json"},
+          // Negative numbers are values, refused (or not) by what reads them.
+          {gpt + " --seed -1", "'seed' must be >= 0, got -1"},
+          {gpt + " --weight-decay -0.5", "weight_decay must be >= 0, got -0.5"},
+      },
+      out, dir.path);
+  CHECK_FALSE(fs::exists(dir.path / "--fp16"));
+  CHECK_FALSE(fs::exists(dir.path / "--use_cpu"));
+}
+
+TEST_CASE("the command: flags the model or the dataset does not read are refused by name") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  // Refused before any data is read: a missing --data is never reached.
+  const std::string rest = fmt::format("--data {} --use-cpu --max-steps 1 --output-dir {}",
+                                       (dir.path / "missing").string(), (dir.path / "run").string());
+  expect_refusals(
+      {
+          {"plan --model gpt2 --n-layer 2 --n-embd 64 --n-head 2 --memory-budget 1GiB",
+           "error: [--model gpt2] does not use --n-layer, --n-head, --n-embd (gpt2 is GPT-2 small"},
+          {"plan --model gpt2 --dataset synthetic --vocab-size 100 --memory-budget 1GiB",
+           "error: [--model gpt2 --dataset synthetic] does not use --vocab-size"},
+          {"train --model mlp --n-layer 7 --block-size 3 --text-level byte --vocab-size 5 " + rest,
+           "error: [--model mlp] does not use --vocab-size, --block-size, --n-layer, --text-level"},
+          {"train --model cnn --dataset file --synthetic-size 8 " + rest,
+           "error: [--model cnn] does not use --synthetic-size"},
+          {"train --model gpt --dataset synthetic --text-level byte " + rest,
+           "error: [--model gpt --dataset synthetic] does not use --data, --text-level"},
+          {"train --model gpt --synthetic-size 8 --vocab-size 5 " + rest,
+           "error: [--model gpt] does not use --synthetic-size, --vocab-size"},
+          // The flags a model does read are still checked.
+          {"plan --model gpt2 --dataset synthetic --memory-budget 1GiB --block-size 2000",
+           "error: [--block-size] must be in [1, 1024] for gpt2"},
+      },
+      out);
+}
+
+TEST_CASE("the command: an out-of-range number, a non-UTF-8 text, a short validation split") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt", binary = dir.path / "binary.txt",
+                 short_text = dir.path / "short.txt";
+  std::ofstream(binary) << "abc\xff\xfe def";
+  {
+    std::ofstream text(short_text);  // 360 tokens to train on, 40 to validate
+    for (int i = 0; i < 400; ++i) text << static_cast<char>('a' + i % 26);
+  }
+  const std::string gpt = fmt::format(
+      "train --model gpt --n-layer 1 --n-head 2 --n-embd 8 --use-cpu --max-steps 1 --output-dir {}",
+      (dir.path / "run").string());
+  expect_refusals(
+      {
+          {tiny_gpt("train", dir.path) + " --learning-rate 1e999",
+           "error: [learning_rate] '1e999' is out of range"},
+          {tiny_gpt("train", dir.path) + " --max-steps -1e999",
+           "error: [max_steps] '-1e999' is out of range"},
+          {gpt + " --block-size 4 --data " + binary.string(),
+           "invalid UTF-8 at byte offset 3: invalid byte 0xFF (TextLevel::Byte, the command's "
+           "--text-level byte, reads any file)"},
+          {gpt + " --block-size 64 --data " + short_text.string(),
+           "the val split has 40 tokens, fewer than block_size + 1 = 65; train without evaluation "
+           "(--eval-strategy no) or with a smaller --block-size"},
+      },
+      out);
+}
+
+TEST_CASE("the command: --json and a config file's json, flags over the file, for train and plan") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt", config = dir.path / "args.json";
+  std::ofstream(config) << R"({"json": true, "logging_steps": 1})";
+  auto is_json = [](const std::string& text) {
+    return !nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false).is_discarded();
+  };
+  auto first_line = [](const std::string& text) { return text.substr(0, text.find('\n')); };
+  const std::string with_config = " --config " + config.string();
+
+  CommandResult r = run_command(tiny_gpt("train", dir.path) + with_config, out);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(is_json(first_line(r.output)));
+  r = run_command(tiny_gpt("train", dir.path) + with_config + " --json=false", out);
+  REQUIRE(r.status == 0);
+  CHECK(first_line(r.output).rfind("model gpt on cpu: ", 0) == 0);
+
+  const std::string plan = tiny_gpt("plan", dir.path) + " --memory-budget 64MiB";
+  r = run_command(plan + with_config, out);
+  REQUIRE(r.status == 0);
+  CHECK(is_json(r.output));
+  r = run_command(plan + with_config + " --json=false", out);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.rfind("memory plan for cpu", 0) == 0);
+  r = run_command(plan + " --json", out);
+  REQUIRE(r.status == 0);
+  CHECK(is_json(r.output));
+}
+
+TEST_CASE("the command: --help gives every TrainingArguments flag's default and kind") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  const nlohmann::json arguments = train::TrainingArguments{}.to_json();
+  for (const char* command : {"train", "plan"}) {
+    const CommandResult r = run_command(std::string(command) + " --help", out);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    for (auto& [name, value] : arguments.items())
+      CHECK(r.output.find("TrainingArguments." + name + " (default ") != std::string::npos);
+    CHECK(r.output.find("TrainingArguments.learning_rate (default 0.001)") != std::string::npos);
+    CHECK(r.output.find("TrainingArguments.per_device_train_batch_size (default 64)") !=
+          std::string::npos);
+    CHECK(r.output.find("TrainingArguments.eval_strategy (default epoch)") != std::string::npos);
+    CHECK(r.output.find("TrainingArguments.json (default false)") != std::string::npos);
+    CHECK(r.output.find("--learning-rate,--learning_rate FLOAT") != std::string::npos);
+    CHECK(r.output.find("--max-steps,--max_steps INT") != std::string::npos);
+    CHECK(r.output.find("--dropout FLOAT") != std::string::npos);
+    CHECK(r.output.find("dropout probability") != std::string::npos);
+  }
+  const CommandResult r = run_command("check-accumulation --help", out);
+  INFO(r.output);
+  CHECK(r.output.find("--json") != std::string::npos);
+  CHECK(r.output.find("print one JSON object per check") != std::string::npos);
+}
+
+namespace {
+// The training split scripts/train.sh trains on (Debian's dataset-fashion-mnist).
+bool have_fashion_mnist() {
+  return fs::exists(fs::path(train::kFashionMnistRoot) / "train-images-idx3-ubyte.gz") &&
+         fs::exists(fs::path(train::kFashionMnistRoot) / "train-labels-idx1-ubyte.gz");
+}
+}  // namespace
+
+TEST_CASE("the command: scripts/train.sh leaves the micro-batch to the batch triad" *
+          doctest::skip(!have_fashion_mnist())) {
+  // The script as it is, with its setup step stubbed and this build's command.
+  TempDir dir;
+  const fs::path root = fs::path(MB_FIXTURES_DIR).parent_path().parent_path();
+  fs::create_directories(dir.path / "scripts");
+  fs::create_directories(dir.path / "build");
+  fs::copy_file(root / "scripts" / "train.sh", dir.path / "scripts" / "train.sh");
+  std::ofstream(dir.path / "scripts" / "setup.sh") << "true\n";
+  fs::create_symlink(MB_CLI_PATH, dir.path / "build" / "microbatch");
+  const fs::path run = dir.path / "run", out = dir.path / "out.txt";
+  const std::string cmd = fmt::format(
+      "BUILD_DIR=build timeout 120 bash {} --gradient-accumulation-steps 4 --train-batch-size 100 "
+      "--max-steps 1 --logging-steps 1 --eval-strategy no --use-cpu --output-dir {} > {} 2>&1",
+      (dir.path / "scripts" / "train.sh").string(), run.string(), out.string());
+  const int status = std::system(cmd.c_str());
+  std::ifstream in(out);
+  INFO(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  REQUIRE(status == 0);
+  const std::vector<nlohmann::json> lines = step_lines(run);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0]["micro_batch_size"] == 25);
+  CHECK(lines[0]["steps_per_window"] == 4);
+}
+#endif
