@@ -61,6 +61,14 @@ Allocator::~Allocator() {
 void* Allocator::allocate(std::size_t bytes) {
   if (bytes == 0) return nullptr;
   std::lock_guard lock(mutex_);
+  if (bytes > kMaxRequest) {  // rounded up, it would wrap around (to 0 for SIZE_MAX)
+    ++stats_.num_ooms;
+    throw OutOfMemoryError(
+        fmt::format("[allocator] {}: cannot allocate {} bytes: a request is at most {} bytes, "
+                    "the largest block the byte statistics can count",
+                    device_.str(), bytes, kMaxRequest),
+        bytes);
+  }
   const std::size_t need = round_up(bytes, kBlockRound);
   return rules_ == AllocatorRules::BestFit ? allocate_best_fit_locked(need)
                                            : allocate_segmented_locked(need);

@@ -4,7 +4,9 @@
 // core/ops/dispatch.h), so that a predicted peak is the real peak.
 //
 // Both rule sets:
-// - A request is rounded up to a multiple of kBlockRound (512 bytes); zero bytes take nothing.
+// - A request is rounded up to a multiple of kBlockRound (512 bytes); zero bytes take nothing. A
+//   request above kMaxRequest (about 8 EiB) is refused with OutOfMemoryError before any rounding,
+//   and only the out-of-memory count changes.
 // - Before taking memory from the system, if the budget is set and the new system block would take
 //   reserved bytes past it, every cached (wholly free) system block is released; if it still does
 //   not fit, OutOfMemoryError is thrown before any system allocation, and no statistic but the
@@ -41,6 +43,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -60,6 +63,12 @@ inline constexpr std::size_t kBlockRound = 512;
 inline constexpr std::size_t kSmallRequest = std::size_t{1} << 20;
 inline constexpr std::size_t kSmallSegment = std::size_t{2} << 20;
 inline constexpr std::size_t kLargeSegmentRound = std::size_t{2} << 20;
+/// The largest request served: the largest multiple of kLargeSegmentRound (so of kBlockRound) that
+/// the byte statistics (int64) hold, so that rounding a request up never wraps around to 0.
+inline constexpr std::size_t kMaxRequest =
+    static_cast<std::size_t>(std::numeric_limits<std::int64_t>::max()) / kLargeSegmentRound *
+    kLargeSegmentRound;
+static_assert(kLargeSegmentRound % kBlockRound == 0);
 
 /// A byte count with its current value and its high-water mark since the last reset_peak.
 struct Stat {

@@ -43,11 +43,12 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
     }
     std::vector<Tensor> recomputed;
     {
-      const GeneratorState now = default_generator().state();
+      // The stream goes back to where it is now however fn exits: left at the forward's draws
+      // (an OutOfMemoryError mid-recomputation), later dropout masks would repeat them.
+      GeneratorStateGuard now;
       default_generator().set_state(rng);
       EnableGradGuard enable;
       recomputed = fn(detached);
-      default_generator().set_state(now);
     }
     // Moved, not copied: held here, the recomputed outputs and their incoming gradients would
     // outlive the inner nodes that use them and raise the peak above the plain backward's.

@@ -131,4 +131,17 @@ Generator& default_generator();
 /// Seeds the default generator (like torch.manual_seed; the streams differ from PyTorch's).
 void manual_seed(std::uint64_t seed);
 
+/// Puts the default generator back to its state at construction on every exit, exceptions
+/// included.
+class GeneratorStateGuard {
+ public:
+  GeneratorStateGuard() : state_(default_generator().state()) {}
+  ~GeneratorStateGuard() { default_generator().set_state(state_); }
+  GeneratorStateGuard(const GeneratorStateGuard&) = delete;
+  GeneratorStateGuard& operator=(const GeneratorStateGuard&) = delete;
+
+ private:
+  GeneratorState state_;
+};
+
 }  // namespace microbatch

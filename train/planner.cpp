@@ -51,19 +51,16 @@ std::int64_t block_bytes(std::size_t bytes) {
 class PredictionScope {
  public:
   explicit PredictionScope(Device device)
-      : mirror_(device.is_cuda() ? Backend::cuda : Backend::cpu), rng_(default_generator().state()) {
+      : mirror_(device.is_cuda() ? Backend::cuda : Backend::cpu) {
     empty_cache(kMeta);
   }
-  ~PredictionScope() {
-    empty_cache(kMeta);
-    default_generator().set_state(rng_);
-  }
+  ~PredictionScope() { empty_cache(kMeta); }
   PredictionScope(const PredictionScope&) = delete;
   PredictionScope& operator=(const PredictionScope&) = delete;
 
  private:
   MetaBackendGuard mirror_;
-  GeneratorState rng_;
+  GeneratorStateGuard rng_;
 };
 
 // The cuBLAS workspace size (kernels/cuda/runtime.cu).
@@ -78,6 +75,15 @@ std::string breakdown_text(const MemoryBreakdown& b) {
 
 // ceil(a / b) for a >= 0, b >= 1, without (a + b - 1)'s overflow near INT64_MAX.
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
+
+// budget * (1 - margin), rounded down: the most a plan's predicted peak may be.
+std::int64_t usable_bytes(std::int64_t budget, double margin) {
+  return static_cast<std::int64_t>(std::floor(static_cast<double>(budget) * (1.0 - margin)));
+}
+
+// The most micro-batch counts the search for fewer micro-batches measures, two windows each (Note
+// [Searching for the micro-batch]).
+constexpr std::int64_t kCountsScanned = 64;
 
 }  // namespace
 
@@ -98,8 +104,7 @@ nlohmann::json MemoryBreakdown::to_json() const {
 
 std::string MemoryPlan::str() const {
   const std::int64_t last = effective_batch - (accumulation_steps - 1) * micro_batch_size;
-  const auto usable =
-      static_cast<std::int64_t>(std::floor(static_cast<double>(budget) * (1.0 - margin)));
+  const std::int64_t usable = usable_bytes(budget, margin);
   std::ostringstream os;
   os << fmt::format("memory plan for {} with a budget of {} ({} usable with a {:g}% margin)\n",
                     device.str(), format_bytes(budget), format_bytes(usable), margin * 100.0);
@@ -172,8 +177,7 @@ MemoryPlanner::MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, Plan
   }
   MB_CHECK(!(config_.force_checkpointing.value_or(false) && !config_.allow_checkpointing),
            "[planner] checkpointing is both forced and not allowed");
-  usable_ = static_cast<std::int64_t>(
-      std::floor(static_cast<double>(config_.budget) * (1.0 - config_.margin)));
+  usable_ = usable_bytes(config_.budget, config_.margin);
 }
 
 MemoryBreakdown MemoryPlanner::predict(std::int64_t n, bool checkpointing) {
@@ -284,16 +288,28 @@ bool MemoryPlanner::fits(std::int64_t n, bool checkpointing) {
 // step's peak, while its neighbour may add a whole second set of blocks, so below an n that does
 // not fit a smaller one may fit again. Each window is a full measurement on meta, and walking
 // down from top one size at a time took thousands of them for a large E (6 minutes for the
-// Fashion-MNIST MLP at E = 8192). The search takes O(log E) measurements instead, and its answer
-// fits and is maximal (n fits, n + 1 does not):
-//   - walk down from top one size at a time, as far as log2(top) sizes: where the walk's answer is
-//     near top (most budgets), this is the walk's answer;
-//   - then gallop down (strides 2, 4, 8, ...) to a size that fits and bisect between it and the
-//     last size that did not;
+// Fashion-MNIST MLP at E = 8192). The search instead:
+//   - walks down from top one size at a time, as far as log2(top) sizes, then gallops down
+//     (strides 2, 4, 8, ...) to a size that fits and bisects between it and the last size that did
+//     not. The gallop can stride over the sizes that fit and land far below them: for the MLP of
+//     tests/train/test_planner.cpp at E = 513 with an epoch tail of 100, it found 20 (26
+//     micro-batches) where 34 (16) fits;
 //   - then, since throughput follows the number of micro-batches ceil(E / n) (Note [Expected
-//     throughput]), try the even split ceil(E / k) of each smaller count k, fewest first (up to
-//     log2(top) of them): the first that fits gives the largest size it can find with k
-//     micro-batches, by the same gallop and bisection from the largest size with k.
+//     throughput]), scans the smaller counts k, fewest first from ceil(E / top). The sizes with k
+//     micro-batches are ceil(E / k) (the even split) to ceil(E / (k - 1)) - 1 (the largest, top for
+//     the first count); a count no size has is skipped. For each count the largest size is
+//     measured, then the even split; the first count where one fits gives the answer: its largest
+//     size, or else the walk, gallop and bisection from there down to the even split. At most
+//     kCountsScanned counts are measured (two windows each), so that planning stays within
+//     seconds when the first answer has many more micro-batches than top.
+// What the answer n guarantees, and no more:
+//   - n fits and n + 1 does not (or n = E);
+//   - n = top, the largest size that fits, when top's window fits; and the largest size that fits
+//     wherever the window's peak does not rise as n falls;
+//   - for each count from ceil(E / top) to one less than n's that some size makes, the first
+//     kCountsScanned of them, neither its largest size nor its even split fits. A size strictly
+//     between the two may still fit with fewer micro-batches, and further counts are not measured:
+//     n is not always the largest size that fits, nor always one with the fewest micro-batches.
 // Over a sweep of budgets for the MLP, CNN and GPT of tests/train/test_planner.cpp the answer has
 // the walk's number of micro-batches every time, and is the walk's own answer for all but a few
 // budgets where the window's peak dips again further down (a size with the same count).
@@ -335,17 +351,20 @@ std::int64_t MemoryPlanner::max_micro_batch(bool checkpointing) {
   if (fits(top, checkpointing)) return top;
   if (top == 1) return 0;
   const auto log2_top = static_cast<std::int64_t>(std::bit_width(static_cast<std::uint64_t>(top)));
-  std::int64_t n = search_down(top, 1, log2_top, checkpointing);
+  const std::int64_t n = search_down(top, 1, log2_top, checkpointing);
   if (n == 0) return 0;
-  // Fewer micro-batches. The counts are tried in order, so when k's even split fits, the even split
-  // of k - 1 (one above the largest size with k) is known not to: the answer stays maximal.
-  std::int64_t tries = log2_top;
-  for (std::int64_t k = ceil_div(e, top); k < ceil_div(e, n) && tries > 0; ++k, --tries) {
+  // Fewer micro-batches, fewest first. A count's largest size is one below the smallest size with
+  // fewer micro-batches, an even split measured here already or above top: it does not fit, so an
+  // answer taken here stays maximal.
+  std::int64_t scanned = 0;
+  for (std::int64_t k = ceil_div(e, top); k < ceil_div(e, n) && scanned < kCountsScanned; ++k) {
     const std::int64_t even = ceil_div(e, k);
-    if (!fits(even, checkpointing)) continue;
     const std::int64_t most = k == 1 ? top : std::min(top, ceil_div(e, k - 1) - 1);
-    n = most == even ? even : search_down(most + 1, even, 0, checkpointing);
-    break;
+    if (most < even) continue;  // no size splits E into k micro-batches
+    ++scanned;
+    if (fits(most, checkpointing)) return most;
+    if (even < most && fits(even, checkpointing))
+      return search_down(most, even, log2_top, checkpointing);
   }
   return n;
 }
@@ -367,8 +386,13 @@ MemoryPlan MemoryPlanner::make_plan(std::int64_t n, bool checkpointing) {
 
 void MemoryPlanner::throw_too_small(bool checkpointing) {
   const MemoryBreakdown need = predict_window(1, checkpointing);
-  const auto budget_needed = static_cast<std::int64_t>(
+  // The least budget whose usable part holds the need, as the constructor computes it: 1 - margin
+  // is rarely exact in a double, so ceil(need / (1 - margin)) can be a byte short or over.
+  auto budget_needed = static_cast<std::int64_t>(
       std::ceil(static_cast<double>(need.total()) / (1.0 - config_.margin)));
+  while (usable_bytes(budget_needed, config_.margin) < need.total()) ++budget_needed;
+  while (budget_needed > 1 && usable_bytes(budget_needed - 1, config_.margin) >= need.total())
+    --budget_needed;
   throw OutOfMemoryError(
       fmt::format(
           "[planner] the budget of {} is too small for one sample: one micro-batch of 1 needs {} "

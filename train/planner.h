@@ -104,8 +104,8 @@ class MemoryPlanner {
   MemoryPlan plan();
   /// A micro-batch size n (at most the effective batch) whose predicted window peak fits while the
   /// peak of n + 1 does not, for a given checkpointing choice (0 if none), in O(log n)
-  /// measurements: the largest that fits wherever the window's peak is monotone (Note [Searching
-  /// for the micro-batch]).
+  /// measurements plus at most 128 for fewer micro-batches: the largest that fits wherever the
+  /// window's peak is monotone (Note [Searching for the micro-batch] says what holds elsewhere).
   std::int64_t max_micro_batch(bool checkpointing);
   /// Predicted peak of a window of micro-batches of n (the last one smaller when n does not divide
   /// the effective batch) followed by the next window's first micro-batch: the steady-state peak of

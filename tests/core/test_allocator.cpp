@@ -78,6 +78,40 @@ TEST_CASE("allocator: requests round up to 512 bytes; zero bytes take nothing") 
   CHECK(a.stats().num_frees == 2);
 }
 
+TEST_CASE("allocator: a request too large to round up is refused, naming its size") {
+  // Rounded up to 512 bytes, SIZE_MAX wrapped to a zero-byte block, and SIZE_MAX - 600 to a block
+  // whose size the int64 statistics read as -512.
+  for (AllocatorRules rules : {AllocatorRules::BestFit, AllocatorRules::Segmented}) {
+    RecordingBackend::Counts counts;
+    Allocator a(kCPU, std::make_unique<RecordingBackend>(&counts, 1 << 20), rules);
+    const std::size_t largest_counted = static_cast<std::size_t>(INT64_MAX);
+    int refused = 0;
+    for (std::size_t bytes : {SIZE_MAX, SIZE_MAX - 600, largest_counted + 1, kMaxRequest + 1}) {
+      INFO((rules == AllocatorRules::BestFit ? "best fit" : "segmented") << ", " << bytes);
+      std::string message;
+      std::size_t requested = 0;
+      try {
+        a.allocate(bytes);
+      } catch (const OutOfMemoryError& e) {
+        message = e.what();
+        requested = e.requested();
+      }
+      CHECK(message.find("cannot allocate " + std::to_string(bytes) + " bytes") !=
+            std::string::npos);
+      CHECK(requested == bytes);
+      CHECK(a.stats().num_ooms == ++refused);
+    }
+    // The largest request served rounds to itself, and reaches the system (which refuses it).
+    check_throws_with([&] { a.allocate(kMaxRequest); }, "the system refused");
+    CHECK(kMaxRequest % kLargeSegmentRound == 0);  // so of kBlockRound too
+    CHECK(kMaxRequest <= largest_counted);
+    CHECK(largest_counted - kMaxRequest < kLargeSegmentRound);
+    CHECK(counts.allocs == 0);
+    CHECK(a.stats().allocated.current == 0);
+    CHECK(a.stats().reserved.current == 0);
+  }
+}
+
 TEST_CASE("allocator: a freed block is reused from the cache") {
   RecordingBackend::Counts counts;
   Allocator a(kCPU, std::make_unique<RecordingBackend>(&counts));

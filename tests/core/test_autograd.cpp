@@ -3,6 +3,7 @@
 // checks, microbatch::grad, and activation checkpointing (with parameters and dropout inside).
 #include <cmath>
 
+#include "core/allocator.h"
 #include "core/rng.h"
 #include "tests/core/harness.h"
 
@@ -491,6 +492,52 @@ TEST_CASE("checkpoint re-draws the same dropout mask during backward") {
   for (double g : dx.to_vector()) dropped += g == 0.0;
   CHECK(dropped > 20);
   CHECK(dropped < 108);
+  default_generator().set_state(saved);
+}
+
+TEST_CASE("checkpoint puts the random stream back when its recomputation throws") {
+  // Budgets rising from nothing until the backward runs: the smaller ones refuse a request before
+  // the segment's re-run, inside it, or after it, and every way out must leave the stream where
+  // the backward found it, not at the forward's draws (later dropout masks would repeat them).
+  const GeneratorState saved = default_generator().state();
+  struct BudgetRestore {  // the CPU allocator is the process's: its budget goes back on every exit
+    std::optional<std::size_t> bytes = allocator(kCPU).budget();
+    ~BudgetRestore() { allocator(kCPU).set_budget(bytes); }
+  } cpu_budget;
+  manual_seed(5);
+  Tensor w = input({256, 256}, -0.1, 0.1, 41);
+  int entered = 0, finished = 0;
+  auto fn = [&](const Tensor& h) {
+    ++entered;
+    Tensor y = dropout(relu(matmul(h, w)), 0.5);
+    ++finished;
+    return y;
+  };
+  int refused_inside = 0;
+  bool ran = false;
+  for (std::size_t extra = 0; !ran && extra <= (std::size_t{4} << 20); extra += 4096) {
+    Tensor x = randn({64, 256}, {.dtype = DType::f64});
+    Tensor loss = sum(checkpoint(fn, x));
+    Tensor later = rand({1000});  // the stream moves on past the segment's draws
+    const GeneratorState before = default_generator().state();
+    entered = finished = 0;
+    empty_cache(kCPU);
+    set_memory_budget(kCPU, static_cast<std::size_t>(memory_stats(kCPU).reserved.current) + extra);
+    try {
+      loss.backward();
+      ran = true;
+    } catch (const OutOfMemoryError&) {
+      refused_inside += entered > finished;
+    }
+    allocator(kCPU).set_budget(cpu_budget.bytes);
+    INFO("budget +" << extra << " bytes, re-run entered " << entered << ", finished " << finished);
+    CHECK(default_generator().state().seed == before.seed);
+    CHECK(default_generator().state().offset == before.offset);
+    w.set_grad(Tensor());
+  }
+  CHECK(ran);
+  CHECK(refused_inside > 0);  // else this test would prove nothing
+  empty_cache(kCPU);
   default_generator().set_state(saved);
 }
 

@@ -7,6 +7,7 @@
 // The budgets are placed with the planner's own predictions, only to land in each regime; every
 // claim is then checked against the CPU allocator's statistics. All tests share the process-wide
 // CPU allocator: each real run restores its budget and empties its cache when it ends.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <optional>
@@ -103,12 +104,14 @@ struct RealRun {
   bool out_of_memory = false;
 };
 
-// Trains `windows` windows of the effective batch in micro-batches of n (the last one smaller) on
-// the CPU, as the Trainer does: fresh micro-batch tensors per step, held with the model's loss
-// until its backward has run (the logits dropped before it), and AdamW at each window's end.
-// The budget, if given, caps the bytes the run may add to what the process already holds.
+// Trains windows of these sizes (two of the effective batch when none are given) in micro-batches
+// of n (each window's last one smaller) on the CPU, as the Trainer does: fresh micro-batch tensors
+// per step, held with the model's loss until its backward has run (the logits dropped before it),
+// and AdamW at each window's end. The budget, if given, caps the bytes the run may add to what the
+// process already holds.
 RealRun run_on_cpu(const Case& c, std::int64_t n, bool ckpt, std::optional<std::int64_t> budget,
-                   int windows = 2) {
+                   std::vector<std::int64_t> windows = {}) {
+  if (windows.empty()) windows = {c.effective, c.effective};
   CpuAllocatorGuard guard;
   clear_memory_budget(kCPU);
   empty_cache(kCPU);
@@ -122,9 +125,9 @@ RealRun run_on_cpu(const Case& c, std::int64_t n, bool ckpt, std::optional<std::
     // The budget holds from the first step, as in the Trainer (building a model is not a step).
     if (budget) set_memory_budget(kCPU, static_cast<std::size_t>(base + *budget));
     reset_peak_memory_stats(kCPU);
-    for (int w = 0; w < windows; ++w) {
-      for (std::int64_t first = 0; first < c.effective; first += n) {
-        const Batch batch = c.sample(std::min(n, c.effective - first));
+    for (std::int64_t window : windows) {
+      for (std::int64_t first = 0; first < window; first += n) {
+        const Batch batch = c.sample(std::min(n, window - first));
         nn::ModelOutput out = model->forward(batch.inputs, batch.labels);
         out.logits = Tensor();
         out.loss.backward();
@@ -308,6 +311,45 @@ TEST_CASE("planner: a budget too small for one sample fails at once, saying what
   CHECK(enough.plan().micro_batch_size >= 1);
 }
 
+TEST_CASE("planner: a too-small error names the least budget that plans, whatever the margin") {
+  // usable = floor(budget * (1 - margin)) in doubles, and 1 - margin is rarely exact: with a 30%
+  // margin the MLP 50 -> 66 -> 4 needs 64512 bytes, ceil(64512 / 0.7) = 92160 was named, and
+  // floor(92160 * 0.7) = 64511; elsewhere ceil(need / 0.7) named a byte more than the least.
+  for (double margin : {0.3, 0.05, 0.1}) {
+    for (std::int64_t in : {8, 50}) {
+      for (std::int64_t hidden = 60; hidden <= 70; ++hidden) {
+        const ModelFactory make = [in, hidden](bool ckpt) {
+          auto m = std::make_unique<nn::MLP>(
+              nn::MLPConfig{.in_features = in, .hidden = {hidden}, .num_classes = 4});
+          m->set_gradient_checkpointing(ckpt);
+          return own(std::move(m));
+        };
+        const SampleBatchFn sample = [in](std::int64_t n) {
+          return Batch{randn({n, in}), zeros({n}, {.dtype = DType::i64}), n, {}};
+        };
+        auto config = [&](std::int64_t budget) {
+          return PlannerConfig{.budget = budget, .margin = margin, .effective_batch = 4};
+        };
+        std::string message;
+        try {
+          MemoryPlanner(make, sample, config(1)).plan();
+        } catch (const OutOfMemoryError& e) {
+          message = e.what();
+        }
+        INFO("margin " << margin << ", MLP " << in << " -> " << hidden << " -> 4: " << message);
+        const std::size_t open = message.rfind('(');
+        REQUIRE(message.find("is too small for one sample") != std::string::npos);
+        REQUIRE(message.rfind(" bytes)") != std::string::npos);
+        const std::int64_t named = std::stoll(message.substr(open + 1));
+        MemoryPlanner enough(make, sample, config(named));
+        CHECK(enough.plan().micro_batch_size >= 1);
+        MemoryPlanner one_less(make, sample, config(named - 1));
+        testing::check_throws_with([&] { one_less.plan(); }, "is too small for one sample");
+      }
+    }
+  }
+}
+
 TEST_CASE("planner: a fixed micro-batch size is only checked; forced checkpointing is kept") {
   const Case c = mlp_case();
   MemoryPlanner probe(c.make, c.sample, {.budget = 1, .effective_batch = c.effective});
@@ -485,4 +527,54 @@ TEST_CASE("planner: the micro-batch search takes O(log E) measurements, not hund
   while (planner.predict(top, false).total() > planner.usable_budget()) --top;
   for (std::int64_t m = top; m > top - bound; --m)
     CHECK(planner.predict_window(m, false).total() > planner.usable_budget());
+}
+
+TEST_CASE("planner: the search finds fewer micro-batches that the gallop strides over") {
+  // Note [Searching for the micro-batch]: the MLP at E = 513, with an epoch tail of 100 and this
+  // budget, has fitting and non-fitting windows interleaved below top; the gallop and bisection
+  // alone landed on 20 (26 micro-batches) where 34 (16) fits.
+  Case c = mlp_case();
+  c.effective = 513;
+  const std::int64_t remainder = 100, budget = 2353153;
+  const PlannerConfig config{.budget = budget,
+                             .effective_batch = c.effective,
+                             .epoch_remainder = remainder,
+                             .allow_checkpointing = false};
+  MemoryPlanner planner(c.make, c.sample, config);
+  const MemoryPlan plan = planner.plan();
+  const std::int64_t usable = planner.usable_budget(), n = plan.micro_batch_size;
+
+  // Every size up to the first whose one step does not fit (no larger window can fit), measured:
+  // the largest size that fits, which has the fewest micro-batches of any that fits.
+  MemoryPlanner probe(c.make, c.sample, config);
+  std::int64_t largest = 0;
+  std::vector<std::int64_t> misses;
+  for (std::int64_t m = 1; m <= c.effective && probe.predict(m, false).total() <= usable; ++m) {
+    if (probe.predict_window(m, false).total() <= usable) {
+      largest = m;
+    } else {
+      misses.push_back(m);
+    }
+  }
+  REQUIRE(largest > 0);
+  const std::int64_t fewest = micro_batches(c.effective, largest);
+  // The case is the one the Note describes: a size below the answer does not fit.
+  REQUIRE(std::any_of(misses.begin(), misses.end(), [&](std::int64_t m) { return m < largest; }));
+  INFO("plan " << n << " x " << plan.accumulation_steps << "; exhaustive " << largest << " x "
+               << fewest);
+  CHECK(plan.accumulation_steps == fewest);
+  CHECK(n == largest);
+  CHECK_FALSE(plan.gradient_checkpointing);
+  CHECK(plan.predicted_peak <= usable);
+  CHECK(planner.predict_window(n + 1, false).total() > usable);  // maximal
+
+  // Two epochs of 3 windows and the tail, for real under the budget: no refusal, and the peak the
+  // plan predicts.
+  const std::vector<std::int64_t> epoch = {c.effective, c.effective, c.effective, remainder};
+  std::vector<std::int64_t> windows = epoch;
+  windows.insert(windows.end(), epoch.begin(), epoch.end());
+  const RealRun run = run_on_cpu(c, n, false, budget, windows);
+  REQUIRE_FALSE(run.out_of_memory);
+  CHECK(run.peak <= usable);
+  CHECK(run.peak == plan.predicted_peak);
 }
