@@ -26,7 +26,9 @@ bool is_integer(DType dt);
 /// integer ones (255 fits u8, -100 does not); 0 or 1 for bool.
 bool holds_value(DType dt, double v);
 bool is_16bit_float(DType dt);
-/// The dtype both operands of a binary op are promoted to (float beats int, wider beats narrower).
+/// The dtype two operands of one kind (both 0-d or both not) are promoted to: float beats int,
+/// wider beats narrower. Binary ops add torch's rule for a 0-d operand (Note [0-d operands in
+/// promotion] in core/ops/elementwise.cpp).
 DType promote_types(DType a, DType b);
 
 template <class T> struct dtype_of;

@@ -13,7 +13,8 @@
 
 namespace microbatch {
 
-// ---- element-wise (core/ops/elementwise.cpp); binary ops broadcast ----------------------------
+// ---- element-wise (core/ops/elementwise.cpp); binary ops broadcast and promote as torch -------
+// (a 0-d operand decides the dtype only from a higher category: Note [0-d operands in promotion])
 Tensor add(const Tensor& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);
@@ -21,7 +22,10 @@ Tensor div(const Tensor& a, const Tensor& b);
 /// a ** b, element-wise.
 Tensor pow(const Tensor& a, const Tensor& b);
 Tensor pow(const Tensor& a, double exponent);
+/// The larger element of each pair (NaN wins); as torch 1.13, the gradient goes to each side that
+/// does not lose the comparison, halved at a tie, so to both sides of a pair with a NaN.
 Tensor maximum(const Tensor& a, const Tensor& b);
+/// The smaller element of each pair; the gradient as maximum's.
 Tensor minimum(const Tensor& a, const Tensor& b);
 Tensor neg(const Tensor& a);
 Tensor exp(const Tensor& a);
@@ -78,7 +82,8 @@ Tensor sum(const Tensor& a, const std::vector<std::int64_t>& dims = {}, ReduceOp
 Tensor mean(const Tensor& a, const std::vector<std::int64_t>& dims = {}, ReduceOptions options = {});
 /// Largest value along dim; the gradient goes to the first maximal element.
 Tensor max(const Tensor& a, std::int64_t dim, ReduceOptions options = {});
-/// Largest value of all elements (0-d).
+/// Largest value of all elements (0-d); the gradient is shared evenly among all the maximal
+/// elements (all the NaNs when it is NaN), as torch.
 Tensor max(const Tensor& a);
 /// Index (i64) of the first largest value along dim.
 Tensor argmax(const Tensor& a, std::int64_t dim, ReduceOptions options = {});

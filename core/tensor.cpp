@@ -18,9 +18,15 @@ namespace microbatch {
 
 // ---- shapes ------------------------------------------------------------------------------------
 
-std::int64_t shape_numel(const Shape& shape) {
+std::int64_t shape_numel(const Shape& shape, const char* op) {
   std::int64_t n = 1;
-  for (auto s : shape) n *= s;
+  bool overflow = false;
+  for (auto s : shape) {
+    if (s == 0) return 0;
+    overflow |= __builtin_mul_overflow(n, s, &n);
+  }
+  // Checked: a wrapped count would let a view reach far past its storage.
+  MB_CHECK(!overflow, "[{}] shape {} has more elements than int64 can count", op, shape_str(shape));
   return n;
 }
 
@@ -50,6 +56,13 @@ int wrap_dim(std::int64_t dim, int ndim, const char* op) {
   const int n = std::max(ndim, 1);
   MB_CHECK(dim >= -n && dim < n, "[{}] dim {} out of range for a {}-d tensor", op, dim, ndim);
   return static_cast<int>(dim < 0 ? dim + n : dim);
+}
+
+int wrap_new_dim(std::int64_t dim, int ndim, const char* op) {
+  MB_CHECK(dim >= -(ndim + 1) && dim <= ndim,
+           "[{}] dim {} out of range for a {}-d tensor: a new dim goes at {} to {}", op, dim, ndim,
+           -(ndim + 1), ndim);
+  return static_cast<int>(dim < 0 ? dim + ndim + 1 : dim);
 }
 
 namespace {
@@ -88,6 +101,12 @@ void check_same_device(const char* op, std::initializer_list<Tensor> tensors) {
 void check_floating(const char* op, const Tensor& t) {
   MB_CHECK(is_floating(t.dtype()), "[{}] expected a floating-point tensor, got {}", op,
            dtype_name(t.dtype()));
+}
+
+void check_fill_value(const char* op, DType dtype, double value) {
+  MB_CHECK(!is_integer(dtype) || holds_value(dtype, value),
+           "[{}] value {} does not fit dtype {}: an integer dtype holds whole numbers in its range",
+           op, value, dtype_name(dtype));
 }
 
 // ---- storage -----------------------------------------------------------------------------------
@@ -155,6 +174,13 @@ kernels::StridedView Tensor::kview() const {
 double Tensor::item() const {
   MB_CHECK(numel() == 1, "[item] expected a one-element tensor, got shape {}", shape_str(shape()));
   return to_vector()[0];
+}
+
+std::int64_t Tensor::item_i64() const {
+  MB_CHECK(numel() == 1, "[item] expected a one-element tensor, got shape {}", shape_str(shape()));
+  MB_ASSERT(!is_floating(dtype()), "[item] item_i64 of a {} tensor", dtype_name(dtype()));
+  MB_CHECK(!device().is_meta(), "[item] a meta tensor has no values");
+  return to(kCPU, DType::i64).data<std::int64_t>()[0];
 }
 
 std::vector<double> Tensor::to_vector() const {
@@ -390,6 +416,7 @@ Tensor& Tensor::zero_() { return fill_(0.0); }
 // value, so the order of the writes does not matter.
 Tensor& Tensor::fill_(double value) {
   check_inplace(*this, "fill_");
+  check_fill_value("fill_", dtype(), value);
   if (numel() > 0) {  // an empty tensor may have no data pointer to write through
     launch(
         "fill_", device(), [&] { kernels::cpu::fill(kview(), value); },
@@ -430,6 +457,7 @@ Tensor empty(const Shape& shape, TensorOptions options) {
 }
 
 Tensor full(const Shape& shape, double value, TensorOptions options) {
+  check_fill_value("full", options.dtype, value);
   const bool rg = options.requires_grad;
   options.requires_grad = false;
   Tensor t = empty(shape, options);
@@ -443,10 +471,13 @@ Tensor ones(const Shape& shape, TensorOptions options) { return full(shape, 1.0,
 Tensor empty_like(const Tensor& like) { return empty(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
 Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
 Tensor ones_like(const Tensor& like) { return ones(like.shape(), {.dtype = like.dtype(), .device = like.device()}); }
-Tensor scalar_tensor(double value, TensorOptions options) { return full({}, value, options); }
+Tensor scalar_tensor(double value, TensorOptions options) {
+  check_fill_value("scalar_tensor", options.dtype, value);
+  return full({}, value, options);
+}
 
 Tensor from_vector(const std::vector<double>& values, const Shape& shape, TensorOptions options) {
-  MB_CHECK(static_cast<std::int64_t>(values.size()) == shape_numel(shape),
+  MB_CHECK(static_cast<std::int64_t>(values.size()) == shape_numel(shape, "from_vector"),
            "[from_vector] {} values do not fill shape {}", values.size(), shape_str(shape));
   // A meta target stages on meta (without values), so that its allocations mirror a CPU target's.
   const Device stage = options.device.is_meta() ? kMeta : kCPU;
@@ -469,11 +500,23 @@ Tensor arange(double start, double end, double step, TensorOptions options) {
            "[arange] {} -> {} in steps of {} has {} elements, more than int64 counts", start, end,
            step, count);
   const std::int64_t n = count > 0 ? static_cast<std::int64_t>(count) : 0;
+  // An integer dtype with a whole start and step counts in int64: start + i * step in double
+  // rounds past 2^53 (2^53 + 1 would repeat 2^53).
+  const bool exact =
+      is_integer(options.dtype) && holds_value(DType::i64, start) && holds_value(DType::i64, step);
   // Written into a tensor, not a std::vector, so that a count too large for memory is the
   // allocator's clear error. A meta target stages on meta, as from_vector does.
   const Device stage = options.device.is_meta() ? kMeta : kCPU;
-  Tensor values = empty({n}, {.dtype = DType::f64, .device = stage});
-  if (!stage.is_meta()) {
+  Tensor values = empty({n}, {.dtype = exact ? DType::i64 : DType::f64, .device = stage});
+  if (!stage.is_meta() && exact) {
+    const auto first = static_cast<std::int64_t>(start), stride = static_cast<std::int64_t>(step);
+    std::int64_t* v = values.data<std::int64_t>();
+    for (std::int64_t i = 0; i < n; ++i) {
+      MB_CHECK(
+          !__builtin_mul_overflow(i, stride, &v[i]) && !__builtin_add_overflow(first, v[i], &v[i]),
+          "[arange] {} -> {} in steps of {} passes int64's range", start, end, step);
+    }
+  } else if (!stage.is_meta()) {
     double* v = static_cast<double*>(values.raw_data());
     for (std::int64_t i = 0; i < n; ++i) v[i] = start + static_cast<double>(i) * step;
   }

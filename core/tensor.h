@@ -7,6 +7,7 @@
 #include <iosfwd>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/allocator.h"
@@ -18,7 +19,9 @@ namespace microbatch {
 
 using Shape = std::vector<std::int64_t>;
 
-std::int64_t shape_numel(const Shape& shape);
+/// The number of elements of `shape`; refuses, naming `op`, a count past int64's range (a shape
+/// with a 0 holds nothing, whatever its other sizes, as torch).
+std::int64_t shape_numel(const Shape& shape, const char* op = "tensor");
 Shape contiguous_strides(const Shape& shape);
 /// "(2, 3)".
 std::string shape_str(const Shape& shape);
@@ -26,6 +29,9 @@ std::string shape_str(const Shape& shape);
 /// accepts dim 0 or -1, as PyTorch's reductions do, so a caller that then reads shape()[dim] must
 /// refuse 0-d tensors first.
 int wrap_dim(std::int64_t dim, int ndim, const char* op);
+/// Wraps the position of a dim to insert into a tensor of ndim dims (unsqueeze, stack): one of
+/// [-(ndim + 1), ndim], into [0, ndim].
+int wrap_new_dim(std::int64_t dim, int ndim, const char* op);
 
 /// Bytes on a device, returned to its allocator when the last tensor using them dies.
 /// The version counter is bumped by in-place ops; autograd compares it on unpacking.
@@ -82,7 +88,15 @@ class Tensor {
   template <class T> T* data() const;
   /// The value of a one-element tensor, as a double.
   double item() const;
-  template <class T> T item() const { return static_cast<T>(item()); }
+  /// The value as a T; an integer T reads an integer or bool element exactly (a double rounds
+  /// past 2^53).
+  template <class T>
+  T item() const {
+    if constexpr (std::is_integral_v<T>) {
+      if (!is_floating(dtype())) return static_cast<T>(item_i64());
+    }
+    return static_cast<T>(item());
+  }
   /// All values in row-major order as doubles (copies from any device but meta).
   std::vector<double> to_vector() const;
   kernels::StridedView kview() const;
@@ -131,6 +145,7 @@ class Tensor {
 
   // in place (not recorded by autograd; refused on tensors that require grad while grad mode is on)
   Tensor& zero_();
+  /// Sets every element to value, which an integer dtype must hold (holds_value).
   Tensor& fill_(double value);
   /// Copies src (broadcast, cast, across devices) into this tensor. A source that overlaps it in
   /// memory is read in full before anything is written.
@@ -141,6 +156,8 @@ class Tensor {
   const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
 
  private:
+  std::int64_t item_i64() const;  // the value of a one-element integer or bool tensor
+
   std::shared_ptr<TensorImpl> impl_;
 };
 
@@ -170,8 +187,9 @@ void check_no_internal_overlap(const char* op, const Tensor& t);
 Tensor empty(const Shape& shape, TensorOptions options = {});
 Tensor zeros(const Shape& shape, TensorOptions options = {});
 Tensor ones(const Shape& shape, TensorOptions options = {});
+/// Every element `value`, which an integer dtype must hold (holds_value).
 Tensor full(const Shape& shape, double value, TensorOptions options = {});
-/// start, start+step, ... < end.
+/// start, start+step, ... < end; exact in int64 for an integer dtype with a whole start and step.
 Tensor arange(double start, double end, double step = 1.0, TensorOptions options = {});
 /// Uniform in [0, 1), from the default Philox generator.
 Tensor rand(const Shape& shape, TensorOptions options = {});

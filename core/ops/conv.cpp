@@ -12,6 +12,9 @@
 // tensor is empty or past cuDNN's int sizes) the kernel says so and the op runs the im2col path
 // instead, the one case meta does not foresee. Without cuDNN, and on the CPU, the im2col path runs; its code
 // is the same on both backends (Im2colKernels).
+#include <algorithm>
+#include <limits>
+
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/ops/dispatch.h"
@@ -117,6 +120,10 @@ Window2d plan_window(const char* op, const Tensor& x, std::int64_t kernel_h, std
   w.kernel_w = kernel_w;
   w.stride = stride;
   w.padding = padding;
+  // Checked: a padding near int64's maximum would wrap the padded size.
+  MB_CHECK(padding <= (std::numeric_limits<std::int64_t>::max() - std::max(w.height, w.width)) / 2,
+           "[{}] padding {} makes the input {} larger than int64 can count", op, padding,
+           shape_str(x.shape()));
   const std::int64_t padded_h = w.height + 2 * padding, padded_w = w.width + 2 * padding;
   MB_CHECK(kernel_h <= padded_h && kernel_w <= padded_w,
            "[{}] kernel ({}, {}) is larger than the padded input ({}, {}) (input {}, padding {})", op,

@@ -79,4 +79,9 @@ void check_same_device(const char* op, std::initializer_list<Tensor> tensors);
 
 void check_floating(const char* op, const Tensor& t);
 
+/// Refuses, naming `op`, a value an integer dtype cannot hold (holds_value: NaN, out of range or
+/// fractional) rather than store a wrapped or truncated one; torch refuses the first two. Bool
+/// takes any value, as torch: nonzero is true.
+void check_fill_value(const char* op, DType dtype, double value);
+
 }  // namespace microbatch

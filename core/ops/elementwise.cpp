@@ -28,12 +28,25 @@ Tensor unary_float(const char* op, UnaryOp kind, const Tensor& a) {
   return unary_kernel(op, kind, a);
 }
 
-// Broadcasts a and b, promotes them to one dtype, and runs the kernel; out is `out_dtype`, or the
-// common dtype when out_dtype is not given.
+// Note [0-d operands in promotion]: as torch's result_type, a 0-d operand decides the dtype only
+// when its category (bool < integer < floating) is above the dimensioned operand's: an f16 tensor
+// plus a 0-d f32 tensor is f16, an i32 tensor plus a 0-d f64 tensor f64. Two 0-d or two
+// dimensioned operands promote as promote_types. A C++ scalar is a 0-d operand (scalar_like).
+DType result_type(const Tensor& a, const Tensor& b) {
+  const bool a_0d = a.dim() == 0, b_0d = b.dim() == 0;
+  if (a_0d == b_0d) return promote_types(a.dtype(), b.dtype());
+  const DType dimensioned = a_0d ? b.dtype() : a.dtype(), zero_d = a_0d ? a.dtype() : b.dtype();
+  auto category = [](DType d) { return is_floating(d) ? 2 : is_integer(d) ? 1 : 0; };
+  return category(zero_d) > category(dimensioned) ? promote_types(dimensioned, zero_d)
+                                                  : dimensioned;
+}
+
+// Broadcasts a and b, promotes them to one dtype (result_type), and runs the kernel; out is
+// `out_dtype`, or the common dtype when out_dtype is not given.
 Tensor binary_kernel(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b,
                      std::optional<DType> out_dtype = std::nullopt) {
   check_same_device(op, {a, b});
-  const DType common = promote_types(a.dtype(), b.dtype());
+  const DType common = result_type(a, b);
   const Shape shape = broadcast_shapes(a.shape(), b.shape(), op);
   Tensor x, y;
   {
@@ -133,7 +146,7 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 Tensor div(const Tensor& a, const Tensor& b) {
   // True division, as torch.div: integer and bool operands give f32 (the default float dtype), so
   // 5 / 2 = 2.5 and 1 / 0 = inf. They never require grad, so the casts record nothing.
-  if (!is_floating(promote_types(a.dtype(), b.dtype()))) {
+  if (!is_floating(result_type(a, b))) {
     return div(a.to(DType::f32), b.to(DType::f32));
   }
   Tensor out = binary_kernel("div", BinaryOp::Div, a, b);
@@ -183,19 +196,20 @@ Tensor pow(const Tensor& a, double exponent) {
 }
 
 namespace {
-// maximum/minimum: the gradient goes to the winner; ties split it in half (as PyTorch).
+// maximum/minimum, with torch 1.13's backward: each side gets the gradient unless it loses; ties
+// split it in half. A NaN loses no comparison, so with a NaN on either side both get all of it.
 Tensor extremum(const char* op, BinaryOp kind, const Tensor& a, const Tensor& b) {
   Tensor out = binary_kernel(op, kind, a, b);
   const bool is_max = kind == BinaryOp::Maximum;
   record(op, {a, b}, out,
          [sa = SavedTensor(a, op), sb = SavedTensor(b, op), is_max](const Tensor& g) {
            Tensor x = sa.get(), y = sb.get();
-           Tensor wins_a = is_max ? gt(x, y) : lt(x, y);
-           Tensor tie = eq(x, y);
-           Tensor half = g * 0.5;
+           Tensor a_loses = is_max ? lt(x, y) : gt(x, y);
+           Tensor b_loses = is_max ? gt(x, y) : lt(x, y);
+           Tensor share = where(eq(x, y), g * 0.5, g);
            Tensor zero = zeros_like(g);
-           Tensor da = where(tie, half, where(wins_a, g, zero));
-           Tensor db = where(tie, half, where(wins_a, zero, g));
+           Tensor da = where(a_loses, zero, share);
+           Tensor db = where(b_loses, zero, share);
            return std::vector<Tensor>{reduce_grad(da, x), reduce_grad(db, y)};
          });
   return out;
@@ -295,7 +309,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   check_same_device("where", {cond, a, b});
   MB_CHECK(cond.dtype() == DType::boolean, "[where] condition must be bool, got {}",
            dtype_name(cond.dtype()));
-  const DType common = promote_types(a.dtype(), b.dtype());
+  const DType common = result_type(a, b);  // the condition plays no part, as in torch
   const Shape shape =
       broadcast_shapes(cond.shape(), broadcast_shapes(a.shape(), b.shape(), "where"), "where");
   Tensor c, x, y;
@@ -326,6 +340,7 @@ Tensor masked_fill(const Tensor& a, const Tensor& mask, double value) {
   Shape b = broadcast_shapes(a.shape(), mask.shape(), "masked_fill");
   MB_CHECK(b == a.shape(), "[masked_fill] mask of shape {} does not broadcast to the input's {}",
            shape_str(mask.shape()), shape_str(a.shape()));
+  check_fill_value("masked_fill", a.dtype(), value);
   Tensor out;
   {
     NoGradGuard no_grad;

@@ -21,11 +21,12 @@ ReducePlan plan_reduce(const Tensor& a, const std::vector<std::int64_t>& dims, b
                        const char* op) {
   ReducePlan p;
   p.reduced.assign(a.dim(), dims.empty());
-  for (auto d : dims) {
-    const int w = wrap_dim(d, a.dim(), op);
-    if (a.dim() == 0) continue;  // a 0-d tensor accepts dim 0 or -1 and has no dim to mark
-    MB_CHECK(!p.reduced[w] || dims.empty(), "[{}] dim {} repeated", op, w);
-    p.reduced[w] = true;
+  for (std::size_t i = 0; i < dims.size(); ++i) {
+    const int w = wrap_dim(dims[i], a.dim(), op);
+    // A 0-d tensor accepts dim 0 or -1, both its one pseudo-dim, and has no dim to mark: any
+    // second dim repeats it, as torch counts it.
+    MB_CHECK(a.dim() == 0 ? i == 0 : !p.reduced[w], "[{}] dim {} repeated", op, w);
+    if (a.dim() > 0) p.reduced[w] = true;
   }
   for (int i = 0; i < a.dim(); ++i) {
     if (p.reduced[i]) {
@@ -138,7 +139,22 @@ Tensor max(const Tensor& a, std::int64_t dim, ReduceOptions options) {
 
 Tensor max(const Tensor& a) {
   MB_CHECK(a.numel() > 0, "[max] of an empty tensor");
-  return max(a.reshape({-1}), 0);
+  Tensor out;
+  {
+    NoGradGuard no_grad;  // the node below is this op's backward
+    out = max(a.reshape({-1}), 0);
+  }
+  // As torch, the gradient is shared evenly among the elements equal to the maximum (among the
+  // NaNs when it is NaN), unlike max along a dim, which picks one.
+  record("max", {a}, out,
+         [sa = SavedTensor(a, "max"), so = SavedTensor::output(out, "max")](const Tensor& g) {
+           const Tensor x = sa.get(), m = so.get();
+           const Tensor hit = where(ne(m, m), ne(x, x), eq(x, m));  // a's shape, bool
+           const Tensor share = g / sum(hit).to(g.dtype());
+           return std::vector<Tensor>{
+               where(hit, share, zeros({}, {.dtype = g.dtype(), .device = g.device()}))};
+         });
+  return out;
 }
 
 Tensor argmax(const Tensor& a, std::int64_t dim, ReduceOptions options) {

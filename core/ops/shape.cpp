@@ -62,7 +62,9 @@ std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& size
   std::int64_t total = 0;
   for (std::int64_t n : sizes) {
     MB_CHECK(n >= 0, "[split] split sizes must be non-negative, got {}", n);
-    total += n;
+    MB_CHECK(!__builtin_add_overflow(total, n, &total),
+             "[split] split sizes {} add up to more than int64 holds, but dim {} of {} has size {}",
+             shape_str(sizes), d, shape_str(a.shape()), a.shape()[d]);
   }
   MB_CHECK(total == a.shape()[d],
            "[split] split sizes add up to {} but dim {} of {} has size {}", total, d,
@@ -103,7 +105,8 @@ std::vector<Tensor> split(const Tensor& a, std::int64_t split_size, std::int64_t
   MB_CHECK(split_size > 0 || (split_size == 0 && n == 0),
            "[split] split_size must be positive, got {}", split_size);
   std::vector<std::int64_t> sizes;
-  for (std::int64_t start = 0; start < n; start += split_size)
+  // Stepped by the piece, not by split_size, which could take start past int64's range.
+  for (std::int64_t start = 0; start < n; start += sizes.back())
     sizes.push_back(std::min(split_size, n - start));
   if (sizes.empty()) sizes.push_back(0);  // as torch: one empty piece of an empty dim
   return split(a, sizes, dim);
@@ -113,7 +116,8 @@ std::vector<Tensor> chunk(const Tensor& a, std::int64_t chunks, std::int64_t dim
   MB_CHECK(chunks > 0, "[chunk] chunks must be positive, got {}", chunks);
   MB_CHECK(a.dim() > 0, "[chunk] a zero-dimensional tensor cannot be chunked");
   const std::int64_t n = a.shape()[wrap_dim(dim, a.dim(), "chunk")];
-  return split(a, (n + chunks - 1) / chunks, dim);
+  // ceil(n / chunks), without n + chunks - 1, which overflows for chunks near int64's maximum.
+  return split(a, n == 0 ? 0 : (n - 1) / chunks + 1, dim);
 }
 
 Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
@@ -133,7 +137,8 @@ Tensor cat(const std::vector<Tensor>& tensors, std::int64_t dim) {
     MB_CHECK(match, "[cat] tensor {} has shape {} but tensor 0 has shape {}; shapes must match "
              "except in dim {}", i, shape_str(s), shape_str(first.shape()), d);
     sizes.push_back(s[d]);
-    out_shape[d] += s[d];
+    MB_CHECK(!__builtin_add_overflow(out_shape[d], s[d], &out_shape[d]),
+             "[cat] the sizes along dim {} add up to more than int64 holds", d);
   }
 
   Tensor out = empty(out_shape, {.dtype = first.dtype(), .device = first.device()});
@@ -166,7 +171,9 @@ Tensor stack(const std::vector<Tensor>& tensors, std::int64_t dim) {
              "[stack] tensor {} has shape {} but tensor 0 has shape {}; all shapes must be equal",
              i, shape_str(tensors[i].shape()), shape_str(first));
   }
-  const int d = wrap_dim(dim, tensors[0].dim() + 1, "stack");
+  const int d = wrap_new_dim(dim, tensors[0].dim(), "stack");
+  MB_CHECK(tensors[0].dim() < kernels::kMaxDims, "[stack] at most {} dims are supported, got {}",
+           kernels::kMaxDims, tensors[0].dim() + 1);
   std::vector<Tensor> parts;  // each (..., 1, ...): views, so cat still allocates the only copy
   parts.reserve(tensors.size());
   for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));

@@ -16,20 +16,34 @@ Tensor as_view(const Tensor& base, const Shape& shape, const Shape& strides, std
   return make_strided(base.storage(), shape, strides, offset, base.dtype());
 }
 
+// A view's shape must be one the kernels take (kview refuses more dims only at the next op).
+void check_view_dims(const Shape& shape, const char* op) {
+  MB_CHECK(static_cast<int>(shape.size()) <= kernels::kMaxDims,
+           "[{}] at most {} dims are supported, got {} (shape {})", op, kernels::kMaxDims,
+           shape.size(), shape_str(shape));
+}
+
 // Resolves one -1 in a requested shape against numel.
 Shape infer_shape(const Shape& requested, std::int64_t numel, const char* op, const Shape& from) {
+  check_view_dims(requested, op);
   Shape shape = requested;
   int infer = -1;
   std::int64_t known = 1;
+  bool overflow = false, has_zero = false;  // a 0 among the sizes makes any overflow moot
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
       MB_CHECK(infer < 0, "[{}] only one dimension can be -1, got {}", op, shape_str(requested));
       infer = static_cast<int>(i);
     } else {
       MB_CHECK(shape[i] >= 0, "[{}] invalid size in {}", op, shape_str(requested));
-      known *= shape[i];
+      has_zero |= shape[i] == 0;
+      overflow |= __builtin_mul_overflow(known, shape[i], &known);
     }
   }
+  // Checked: a wrapped product could match numel, and the view reach far past its storage.
+  MB_CHECK(has_zero || !overflow, "[{}] shape {} has more elements than int64 can count", op,
+           shape_str(requested));
+  if (has_zero) known = 0;
   if (infer >= 0) {
     MB_CHECK(known != 0 && numel % known == 0, "[{}] cannot view {} as {}", op, shape_str(from),
              shape_str(requested));
@@ -137,8 +151,10 @@ Tensor Tensor::slice(std::int64_t dim_, std::int64_t start, std::int64_t end, st
   start = std::clamp<std::int64_t>(start, 0, n);
   end = std::clamp<std::int64_t>(end, start, n);
   Shape shape = this->shape(), st = strides();
-  shape[d] = (end - start + step - 1) / step;
-  st[d] = strides()[d] * step;
+  // Not (end - start + step - 1) / step, which overflows for a step near int64's maximum.
+  shape[d] = end == start ? 0 : (end - start - 1) / step + 1;
+  // A dim of at most one element never steps, and stride * step could overflow there.
+  if (shape[d] > 1) st[d] = strides()[d] * step;
   Tensor out = as_view(*this, shape, st, offset() + start * strides()[d]);
   record("slice", {*this}, out, [from = this->shape(), dtype = dtype(), d, start, end, step](const Tensor& g) {
     Tensor full_grad = zeros(from, {.dtype = dtype, .device = g.device()});
@@ -182,6 +198,8 @@ Tensor Tensor::expand(const Shape& target) const {
                shape_str(target));
     }
   }
+  check_view_dims(out_shape, "expand");
+  shape_numel(out_shape, "expand");  // refuses a count past int64, which numel() would wrap
   Tensor out = as_view(*this, out_shape, st, offset());
   record("expand", {*this}, out, [from = shape()](const Tensor& g) {
     return std::vector<Tensor>{sum_to(g, from)};
@@ -203,11 +221,12 @@ Tensor Tensor::squeeze(std::int64_t dim_) const {
 }
 
 Tensor Tensor::unsqueeze(std::int64_t dim_) const {
-  const int d = wrap_dim(dim_, dim() + 1, "unsqueeze");
+  const int d = wrap_new_dim(dim_, dim(), "unsqueeze");
   Shape shape = this->shape(), st = strides();
   const std::int64_t stride = d < dim() ? strides()[d] * this->shape()[d] : 1;
   shape.insert(shape.begin() + d, 1);
   st.insert(st.begin() + d, stride);
+  check_view_dims(shape, "unsqueeze");
   Tensor out = as_view(*this, shape, st, offset());
   record("unsqueeze", {*this}, out, [from = this->shape()](const Tensor& g) {
     return std::vector<Tensor>{g.reshape(from)};
@@ -220,9 +239,9 @@ Tensor Tensor::flatten(std::int64_t start_dim, std::int64_t end_dim) const {
   const int s = wrap_dim(start_dim, dim(), "flatten"), e = wrap_dim(end_dim, dim(), "flatten");
   MB_CHECK(s <= e, "[flatten] start_dim {} is after end_dim {}", s, e);
   Shape shape(this->shape().begin(), this->shape().begin() + s);
-  std::int64_t n = 1;
-  for (int i = s; i <= e; ++i) n *= this->shape()[i];
-  shape.push_back(n);
+  // Checked: with a 0 in another dim, the merged dims may hold more than int64 counts.
+  shape.push_back(
+      shape_numel(Shape(this->shape().begin() + s, this->shape().begin() + e + 1), "flatten"));
   shape.insert(shape.end(), this->shape().begin() + e + 1, this->shape().end());
   return reshape(shape);
 }

@@ -174,6 +174,15 @@ TEST_CASE("conv2d errors") {
   check_throws_with([&] { conv2d(zeros({1, 3, 5, 5}, {.dtype = DType::i64}), w); }, "[conv2d]");
 }
 
+TEST_CASE("conv2d refuses a padding that takes the padded plane past int64") {
+  // 4 + 2 * (2^62 - 1) = 2^63 + 2 overflowed: signed overflow, and a padded size below the kernel.
+  const std::int64_t padding = std::numeric_limits<std::int64_t>::max() / 2;
+  const Tensor x = ones({1, 2, 4, 4}), w = ones({3, 2, 3, 3});
+  check_throws_with([&] { conv2d(x, w, {}, {.padding = padding}); },
+                    "[conv2d] padding 4611686018427387903 makes the input (1, 2, 4, 4) larger "
+                    "than int64 can count");
+}
+
 TEST_CASE("max_pool2d forward by hand and against the definition") {
   Tensor x = from_vector({1, 5, 2, 0,  //
                           3, 4, 8, 7,  //

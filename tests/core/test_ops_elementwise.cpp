@@ -125,6 +125,24 @@ TEST_CASE("where and masked_fill") {
   check_close(y, {-5, 2, -5, 4, 5, -5}, 0, 0, "masked_fill");
 }
 
+TEST_CASE("masked_fill refuses a value the integer dtype cannot hold, as torch") {
+  // torch: "value cannot be converted to type uint8_t without overflow" (and int64_t for NaN);
+  // these stored 44 (300 mod 256) and INT64_MIN.
+  const Tensor mask = from_vector({1, 0, 1}, {3}, {.dtype = DType::boolean});
+  check_throws_with([&] { masked_fill(zeros({3}, {.dtype = DType::u8}), mask, 300); },
+                    "[masked_fill] value 300 does not fit dtype u8");
+  check_throws_with([&] { masked_fill(zeros({3}, {.dtype = DType::i64}), mask, NAN); },
+                    "[masked_fill] value nan does not fit dtype i64");
+  check_throws_with([&] { masked_fill(zeros({3}, {.dtype = DType::i32}), mask, 2.5); },
+                    "[masked_fill] value 2.5 does not fit dtype i32");
+  check_close(masked_fill(zeros({3}, {.dtype = DType::u8}), mask, 255), {255, 0, 255}, 0, 0,
+              "u8 255");
+  check_close(masked_fill(zeros({3}, {.dtype = DType::i64}), mask, -100), {-100, 0, -100}, 0, 0,
+              "i64 -100");
+  // Bool takes any value, nonzero as true, as torch.
+  check_close(masked_fill(zeros({3}, {.dtype = DType::boolean}), mask, 5), {1, 0, 1}, 0, 0, "bool");
+}
+
 TEST_CASE("comparisons give bool and broadcast") {
   Tensor a = from_vector({1, 2, 3}, {3});
   Tensor b = from_vector({2}, {1});
@@ -204,6 +222,50 @@ TEST_CASE("scalar operands with integer tensors: integral values keep the dtype,
                     "[add] the scalar 3000000000 does not fit in the tensor's dtype i32");
   check_throws_with([&] { (void)(i * 1e19); }, "[mul] the scalar");
   check_throws_with([] { (void)(from_vector({1}, {1}, {.dtype = DType::u8}) + -1.0); }, "dtype u8");
+}
+
+TEST_CASE("a 0-d operand decides the dtype only from a higher category, as torch") {
+  // Note [0-d operands in promotion]; each expected dtype is torch 1.13's.
+  const Tensor h = from_vector({1, 2}, {2}, {.dtype = DType::f16});
+  const Tensor f = from_vector({1, 2}, {2});
+  const Tensor i32 = from_vector({1, 2}, {2}, {.dtype = DType::i32});
+  const Tensor u8 = from_vector({1, 2}, {2}, {.dtype = DType::u8});
+  const Tensor b = from_vector({1, 0}, {2}, {.dtype = DType::boolean});
+  const Tensor f32_0d = scalar_tensor(1.0);
+  const Tensor f64_0d = scalar_tensor(1.5, {.dtype = DType::f64});
+  const Tensor i64_0d = scalar_tensor(1, {.dtype = DType::i64});
+  CHECK((h + f32_0d).dtype() == DType::f16);  // floating beside floating: the tensor's
+  CHECK((f32_0d * h).dtype() == DType::f16);
+  CHECK((f - f64_0d).dtype() == DType::f32);
+  CHECK((i32 + i64_0d).dtype() == DType::i32);  // integer beside integer: the tensor's
+  CHECK((u8 + i64_0d).dtype() == DType::u8);
+  CHECK((i32 + f64_0d).dtype() == DType::f64);  // a higher category promotes
+  CHECK((b + i64_0d).dtype() == DType::i64);
+  CHECK((scalar_tensor(1, {.dtype = DType::f16}) + f32_0d).dtype() == DType::f32);  // both 0-d
+  CHECK((h + from_vector({1}, {1})).dtype() == DType::f32);  // both dimensioned
+  CHECK(maximum(h, f32_0d).dtype() == DType::f16);
+  CHECK(div(i32, i64_0d).dtype() == DType::f32);  // two integers: true division in f32
+  // Computed in the result dtype: 0.1 rounds to f16 (0.0999755859375) before the product.
+  check_close(h * scalar_tensor(0.1), {0.0999755859375, 0.199951171875}, 0, 0, "f16 * 0-d f32");
+  check_close(gt(i32, f64_0d), {0, 1}, 0, 0, "i32 > 0-d 1.5, compared in f64");
+  const Tensor cond = from_vector({1, 0}, {2}, {.dtype = DType::boolean});
+  CHECK(where(cond, h, f32_0d).dtype() == DType::f16);
+  CHECK(where(cond, i32, f64_0d).dtype() == DType::f64);
+  check_close(where(cond, i32, f64_0d), {1, 1.5}, 0, 0, "where(i32, 0-d f64)");
+}
+
+TEST_CASE("maximum and minimum gradients at NaN and at ties, as torch 1.13") {
+  // torch 1.13, a = [nan, 1, nan, 2, 2], b = [1, nan, nan, 2, 3], backward of ones: maximum gives
+  // a.grad [1, 1, 1, .5, 0], b.grad [1, 1, 1, .5, 1]; minimum gives [1, 1, 1, .5, 1] and
+  // [1, 1, 1, .5, 0]. A NaN loses no comparison, so both sides of a NaN pair get the gradient.
+  for (bool is_max : {true, false}) {
+    CAPTURE(is_max);
+    Tensor a = from_vector({NAN, 1, NAN, 2, 2}, {5}, {.dtype = DType::f64, .requires_grad = true});
+    Tensor b = from_vector({1, NAN, NAN, 2, 3}, {5}, {.dtype = DType::f64, .requires_grad = true});
+    sum(is_max ? maximum(a, b) : minimum(a, b)).backward();
+    check_close(a.grad(), {1, 1, 1, 0.5, is_max ? 0.0 : 1.0}, 0, 0, "a's gradient");
+    check_close(b.grad(), {1, 1, 1, 0.5, is_max ? 1.0 : 0.0}, 0, 0, "b's gradient");
+  }
 }
 
 TEST_CASE("bool subtraction is refused, as torch") {

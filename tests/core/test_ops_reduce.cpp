@@ -269,6 +269,26 @@ TEST_CASE("max: gradcheck without ties, and the gradient of a tie goes to the fi
   check_close(t.grad(), {0, 10, 0, 20, 0, 0}, 0, 0, "gradient of tied maxima");
 }
 
+TEST_CASE("max of all elements shares the gradient evenly among tied maxima, as torch") {
+  // torch 1.13: x.max().backward() gives [0, 0.5, 0.5] for [1, 3, 3], and [0, 0.5, 0, 0.5] for
+  // [1, NaN, 3, NaN] (the NaNs are the maxima).
+  for (DType dt : {DType::f64, DType::f32}) {
+    CAPTURE(dtype_name(dt));
+    Tensor x = from_vector({1, 3, 3}, {3}, {.dtype = dt, .requires_grad = true});
+    max(x).backward();
+    check_close(x.grad(), {0, 0.5, 0.5}, 0, 0, "two tied maxima");
+    Tensor m = from_vector({1, 3, 3, 2, 3, 0}, {2, 3}, {.dtype = dt, .requires_grad = true});
+    (max(m) * 6.0).backward();
+    check_close(m.grad(), {0, 2, 2, 0, 2, 0}, 0, 0, "three tied maxima of a matrix");
+    Tensor n = from_vector({1, kNaN, 3, kNaN}, {4}, {.dtype = dt, .requires_grad = true});
+    max(n).backward();
+    check_close(n.grad(), {0, 0.5, 0, 0.5}, 0, 0, "the NaNs share it");
+  }
+  Tensor t = from_vector({1, 3, 3}, {3}, {.dtype = DType::f64, .requires_grad = true});
+  max(t, 0).backward();
+  check_close(t.grad(), {0, 1, 0}, 0, 0, "along a dim, one index takes it all (torch too)");
+}
+
 TEST_CASE("mean and sum gradients by hand") {
   Tensor t = input({2, 4});
   mean(t, {1}).backward(from_vector({1, 2}, {2}, {.dtype = DType::f64}));
@@ -336,4 +356,11 @@ TEST_CASE("reduction errors name the op") {
   check_throws_with([&] { sum_to(a, {1, 2, 3, 4}); },
                     "[sum_to] cannot sum shape (2, 3, 4) to (1, 2, 3, 4)");
   check_throws_with([&] { sum_to(a, {2, 4}); }, "[sum_to] cannot sum shape (2, 3, 4) to (2, 4)");
+}
+
+TEST_CASE("a 0-d tensor's dims 0 and -1 are one dim, which a reduction may not name twice") {
+  // torch.tensor(3.).sum((0, 0)) and .sum((0, -1)): "dim 0 appears multiple times".
+  check_throws_with([] { sum(scalar_tensor(3), {0, 0}); }, "[sum] dim 0 repeated");
+  check_throws_with([] { mean(scalar_tensor(3), {0, -1}); }, "[mean] dim 0 repeated");
+  check_close(sum(scalar_tensor(3), {-1}), {3}, 0, 0, "one dim is fine");
 }

@@ -2,6 +2,9 @@
 // permute, slice, select, expand, squeeze, unsqueeze, flatten) plus contiguous and clone.
 // Forward values come from index arithmetic on arange inputs; gradients from gradcheck on
 // contiguous and non-contiguous inputs; errors must name the op.
+#include <limits>
+#include <string>
+
 #include "tests/core/harness.h"
 
 using namespace microbatch;
@@ -401,4 +404,91 @@ TEST_CASE("view errors name the op and the shapes") {
   check_throws_with([&] { m.squeeze(2); }, "[squeeze] dim 2 out of range");
   check_throws_with([&] { m.unsqueeze(3); }, "[unsqueeze] dim 3 out of range");
   check_throws_with([&] { m.flatten(1, 0); }, "[flatten] start_dim 1 is after end_dim 0");
+}
+
+TEST_CASE("view, reshape, expand, cat and flatten refuse element counts past int64") {
+  // 5 * 0x6666666666666667 wraps to 3 mod 2^64: accepted, the view reached far past its storage.
+  const std::int64_t wraps_to_3 = 0x6666666666666667LL;
+  const std::string too_many = "shape (5, 7378697629483820647) has more elements than int64";
+  Tensor x = iota({3});
+  check_throws_with([&] { x.view({5, wraps_to_3}); }, "[view] " + too_many + " can count");
+  Tensor strided = iota({2, 3}).t();  // not contiguous: reshape resolves the shape itself
+  check_throws_with([&] { strided.reshape({5, wraps_to_3}); }, "[reshape] " + too_many);
+  // The known sizes' product wrapped to 3 too, so -1 inferred 1 (and only the strides' check
+  // refused the shape).
+  check_throws_with([&] { x.view({-1, 5, wraps_to_3}); },
+                    "[view] shape (-1, 5, 7378697629483820647) has more elements than int64");
+  // 2^32 * 2^32 wraps to 0, the count of an empty tensor; torch: "numel: integer multiplication
+  // overflow". A real 0 among the sizes holds nothing, however large the others.
+  const std::int64_t two32 = std::int64_t{1} << 32;
+  check_throws_with([&] { empty({0}).view({two32, two32}); },
+                    "[view] shape (4294967296, 4294967296) has more elements");
+  // (2^62, 4, 3) has 3 * 2^64 elements, which wrapped to 0: its sum was silently 0.
+  const std::int64_t two62 = std::int64_t{1} << 62;
+  check_throws_with([&] { ones({1, 3}).expand({two62, 4, 3}); },
+                    "[expand] shape (4611686018427387904, 4, 3) has more elements");
+  CHECK(ones({1, 3}).expand({two62, 0, 3}).numel() == 0);  // as torch
+  // Two dims of 2^62 + 1 elements add up to 2^63 + 2, past int64.
+  Tensor half = ones({1}).expand({two62 + 1});
+  check_throws_with([&] { cat({half, half}); },
+                    "[cat] the sizes along dim 0 add up to more than int64 holds");
+  Tensor hollow = ones({1, 1, 1}).expand({0, two32, two32});  // no elements, but 2^64 per row
+  check_throws_with([&] { hollow.flatten(1); },
+                    "[flatten] shape (4294967296, 4294967296) has more elements");
+}
+
+TEST_CASE("slice with a step near int64's maximum keeps one element") {
+  // The size was (end - start + step - 1) / step, whose numerator overflowed: shape (-1,).
+  Tensor a = iota({3});
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  Tensor s = a.slice(0, 0, 3, big);
+  CHECK(s.shape() == Shape{1});
+  check_close(s, {0.0}, 0, 0, "[0:3:INT64_MAX]");
+  check_close(a.slice(0, 1, 3, big), {1}, 0, 0, "[1:3:INT64_MAX]");
+  check_close(a.slice(0, 2, 3, big / 2), {2}, 0, 0, "[2:3:INT64_MAX / 2]");
+  CHECK(a.slice(0, 3, 3, big).numel() == 0);
+  Tensor m = iota({3, 4});  // m[i][j] = 4 i + j
+  check_close(m.slice(1, 1, 4, big), {1, 5, 9}, 0, 0, "a column by a huge step");
+  CHECK(m.slice(1, 1, 4, big).shape() == Shape{3, 1});
+  gradcheck("slice with a huge step",
+            [&](const std::vector<Tensor>& in) { return in[0].slice(1, 1, 4, big); },
+            {input({3, 4})});
+}
+
+TEST_CASE("unsqueeze and stack name the input's ndim and the range of a new dim") {
+  Tensor v = iota({2});
+  check_throws_with([&] { v.unsqueeze(2); },
+                    "[unsqueeze] dim 2 out of range for a 1-d tensor: a new dim goes at -2 to 1");
+  check_throws_with([&] { v.unsqueeze(-3); }, "[unsqueeze] dim -3 out of range for a 1-d tensor");
+  check_throws_with([&] { stack({v, v}, 3); },
+                    "[stack] dim 3 out of range for a 1-d tensor: a new dim goes at -2 to 1");
+  CHECK(v.unsqueeze(1).shape() == Shape{2, 1});
+  CHECK(v.unsqueeze(-2).shape() == Shape{1, 2});
+  CHECK(stack({v, v}, -1).shape() == Shape{2, 2});
+}
+
+TEST_CASE("views with more dims than the kernels take are refused where they are made") {
+  Tensor one = ones({1});
+  check_throws_with([&] { one.view(Shape(9, 1)); }, "[view] at most 8 dims are supported, got 9");
+  check_throws_with([&] { iota({2, 2}).t().reshape(Shape(9, 1)); },
+                    "[reshape] at most 8 dims are supported");
+  Tensor eight = one.view(Shape(8, 1));
+  check_throws_with([&] { eight.unsqueeze(0); }, "[unsqueeze] at most 8 dims are supported, got 9");
+  check_throws_with([&] { one.expand(Shape(9, 2)); },
+                    "[expand] at most 8 dims are supported, got 9");
+  check_throws_with([&] { stack({eight, eight}); }, "[stack] at most 8 dims are supported, got 9");
+  CHECK((eight * 2.0).dim() == 8);
+}
+
+TEST_CASE("split sizes that add up past int64 are refused; chunk of a huge count") {
+  // INT64_MAX + INT64_MAX + 7 wraps to 5, the size of the dim.
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  const Tensor five = iota({5});
+  check_throws_with([&] { split(five, {big, big, 7}); },
+                    "[split] split sizes (9223372036854775807, 9223372036854775807, 7) add up to "
+                    "more than int64 holds, but dim 0 of (5,) has size 5");
+  // ceil(5 / INT64_MAX) = 1: five pieces of one (n + chunks - 1 overflowed).
+  std::vector<Tensor> pieces = chunk(iota({5}), big);
+  CHECK(pieces.size() == 5);
+  check_close(pieces[4], {4}, 0, 0, "last chunk");
 }

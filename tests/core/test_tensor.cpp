@@ -93,6 +93,26 @@ TEST_CASE("zeros, ones and full in every dtype") {
                     "[requires_grad_] only floating-point");
 }
 
+TEST_CASE("full, fill_ and scalar_tensor refuse a value an integer dtype cannot hold") {
+  // torch.full((2,), 1e10, dtype=torch.int32): "value cannot be converted to type int without
+  // overflow"; this stored INT32_MIN. The same rule as the scalar operators (holds_value).
+  check_throws_with([] { full({2}, 1e10, {.dtype = DType::i32}); },
+                    "[full] value 10000000000 does not fit dtype i32");
+  check_throws_with([] { full({2}, -1, {.dtype = DType::u8}); },
+                    "[full] value -1 does not fit dtype u8");
+  check_throws_with([] { scalar_tensor(NAN, {.dtype = DType::i64}); },
+                    "[scalar_tensor] value nan does not fit dtype i64");
+  check_throws_with([] { zeros({2}, {.dtype = DType::u8}).fill_(256); },
+                    "[fill_] value 256 does not fit dtype u8");
+  check_throws_with([] { zeros({2}, {.dtype = DType::i64}).fill_(0x1p63); },
+                    "[fill_] value 9.223372036854776e+18 does not fit dtype i64");
+  check_throws_with([] { zeros({2}, {.dtype = DType::i32}).fill_(INFINITY); }, "dtype i32");
+  CHECK(full({2}, -2147483648.0, {.dtype = DType::i32}).to_vector() ==
+        std::vector<double>{-2147483648.0, -2147483648.0});
+  CHECK(zeros({1}, {.dtype = DType::u8}).fill_(255).item() == 255);
+  CHECK(full({1}, NAN, {.dtype = DType::boolean}).item<bool>());  // nonzero is true, as torch
+}
+
 TEST_CASE("arange in every dtype, with fractional and negative steps") {
   for (DType dt : kAllDTypes) {
     CAPTURE(dtype_name(dt));
@@ -129,6 +149,25 @@ TEST_CASE("arange refuses non-finite bounds and steps, and counts beyond int64, 
   // A count that fits int64 but not in memory is the allocator's error, not std::length_error.
   CHECK_THROWS_AS(arange(0, 4e18), Error);
   CHECK(arange(0, 4, 1, {.device = kMeta}).shape() == Shape{4});
+}
+
+TEST_CASE("arange of an integer dtype is exact past 2^53") {
+  // torch.arange(2**53, 2**53 + 4, dtype=torch.int64) is [2^53, 2^53 + 1, 2^53 + 2, 2^53 + 3];
+  // computed in double, 2^53 + 1 rounded to 2^53 and 2^53 + 3 to 2^53 + 4.
+  const std::int64_t base = std::int64_t{1} << 53;
+  Tensor a = arange(0x1p53, 0x1p53 + 4, 1, {.dtype = DType::i64});
+  REQUIRE(a.numel() == 4);
+  for (std::int64_t i = 0; i < 4; ++i) CHECK(a.data<std::int64_t>()[i] == base + i);
+  // Doubles near 2^60 are 256 apart: 2^60 + 64 has none.
+  Tensor b = arange(0x1p60, 0x1p60 + 256, 64, {.dtype = DType::i64});
+  REQUIRE(b.numel() == 4);
+  for (std::int64_t i = 0; i < 4; ++i) CHECK(b.data<std::int64_t>()[i] == (base << 7) + 64 * i);
+  Tensor down = arange(0x1p53 + 4, 0x1p53, -1, {.dtype = DType::i64});
+  REQUIRE(down.numel() == 4);
+  CHECK(down.data<std::int64_t>()[1] == base + 3);
+  // 0, 2^62, 2^63: the last is past int64 (torch: "value cannot be converted to type int64_t").
+  check_throws_with([] { arange(0, 1e19, 0x1p62, {.dtype = DType::i64}); },
+                    "[arange] 0 -> 1e+19 in steps of 4.611686018427388e+18 passes int64's range");
 }
 
 TEST_CASE("empty refuses a shape whose size in bytes overflows, unless it has a 0") {
@@ -544,6 +583,24 @@ TEST_CASE("item") {
   check_throws_with([] { zeros({2}).item(); },
                     "[item] expected a one-element tensor, got shape (2,)");
   check_throws_with([] { Tensor().item(); }, "undefined tensor");
+}
+
+TEST_CASE("item<T> of an integer T reads an integer element exactly, past 2^53") {
+  // 2^53 + 1 has no double: through item() it read as 2^53.
+  const std::int64_t big = (std::int64_t{1} << 53) + 1;
+  Tensor one = scalar_tensor(1, {.dtype = DType::i64});
+  Tensor t = full({}, 0x1p53, {.dtype = DType::i64}) + one;
+  REQUIRE(*t.data<std::int64_t>() == big);
+  CHECK(t.item<std::int64_t>() == big);
+  CHECK(t.reshape({1, 1}).item<std::int64_t>() == big);
+  CHECK(t.item<std::uint64_t>() == static_cast<std::uint64_t>(big));
+  Tensor pair = full({2}, 0x1p62, {.dtype = DType::i64}) + one;  // a strided element
+  CHECK(pair.slice(0, 1, 2).item<std::int64_t>() == (std::int64_t{1} << 62) + 1);
+  CHECK(scalar_tensor(-7, {.dtype = DType::i32}).item<std::int64_t>() == -7);
+  CHECK(scalar_tensor(1, {.dtype = DType::boolean}).item<int>() == 1);
+  CHECK(scalar_tensor(2.75).item<std::int64_t>() == 2);  // a float still converts as before
+  check_throws_with([] { zeros({2}, {.dtype = DType::i64}).item<std::int64_t>(); },
+                    "[item] expected a one-element tensor, got shape (2,)");
 }
 
 TEST_CASE("printing shows values, shape and dtype") {
