@@ -7,6 +7,8 @@
 #include <random>
 #include <type_traits>
 
+#include "core/safetensors.h"
+
 namespace microbatch::train {
 
 const char* split_name(Split split) {
@@ -135,6 +137,31 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options) {
                     : batch.labels.device().is_meta() ? batch.labels.numel()
                                                       : count_not_equal(batch.labels, options.ignore_index);
   return batch;
+}
+
+std::string label_fingerprint(const Dataset& data) {
+  std::uint32_t crc = 0;
+  auto mix = [&](const void* p, std::size_t n) {
+    crc = checksum_crc32({static_cast<const std::uint8_t*>(p), n}, crc);
+  };
+  const std::int64_t n = data.size();
+  const std::int64_t picks = std::min<std::int64_t>(n, 64);
+  for (std::int64_t k = 0; k < picks; ++k) {
+    // Index k * (n - 1) / (picks - 1) without overflow: 0 first, n - 1 last.
+    const std::int64_t i =
+        picks == 1 ? 0
+                   : static_cast<std::int64_t>(static_cast<long double>(k) *
+                                               static_cast<long double>(n - 1) /
+                                               static_cast<long double>(picks - 1));
+    const Tensor label = data.get(i).label;
+    if (!label.defined()) continue;
+    const Tensor c = label.to(kCPU).contiguous();
+    const auto dtype = static_cast<int>(c.dtype());
+    mix(&dtype, sizeof dtype);
+    for (std::int64_t d : c.shape()) mix(&d, sizeof d);
+    if (c.nbytes() > 0) mix(c.raw_data(), c.nbytes());
+  }
+  return fmt::format("{:08x}", crc);
 }
 
 // ---- epoch order -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -79,6 +80,14 @@ struct CollateOptions {
 /// With labels of an integer dtype (a class per example, or a token sequence) num_items counts the
 /// entries != ignore_index; with floating labels it is the number of examples.
 Batch collate(const std::vector<Example>& examples, CollateOptions options = {});
+
+/// A fingerprint of a dataset's labels (Note [Resuming the same run] in train/trainer.cpp): the
+/// CRC-32 of the dtypes, shapes and bytes of the labels of up to 64 of its examples, evenly spaced
+/// and the last among them, as 8 hex digits. Reading all of them would cost a pass over the data;
+/// these 64 tell apart two sets of the same size whose labels differ in most places (another
+/// file, another vocabulary, another split). Inputs are left out, so that a run stopped by a
+/// poisoned sample resumes once that sample is cleaned.
+std::string label_fingerprint(const Dataset& data);
 
 /// The sample order of one epoch: 0..n-1 shuffled by a Fisher–Yates pass driven by a
 /// std::mt19937_64 seeded from (seed, epoch) alone, so it never touches the global generator and

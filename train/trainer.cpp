@@ -213,37 +213,6 @@ struct BudgetGuard {
 // uninterrupted run would go on. A checkpoint also keeps where its logging window began
 // (logged_step, logged_loss_sum): a resumed run's log lines, and its stand-ins, are those of the
 // uninterrupted run.
-// A fingerprint of a training set (Note [Resuming the same run]): FNV-1a over the bytes, dtypes and
-// shapes of the labels of up to 64 of its examples, evenly spaced and the last among them, as 16
-// hex digits. Reading all of them would cost a pass over the data at every start; these 64 tell
-// apart two sets of the same size whose labels differ in most places (another file, another
-// vocabulary, another split). Inputs are left out: a run stopped by a poisoned sample resumes once
-// that sample is cleaned, in the same order.
-std::string data_fingerprint(const Dataset& data) {
-  std::uint64_t h = 14695981039346656037ULL;
-  auto mix = [&](const void* p, std::size_t n) {
-    const auto* b = static_cast<const unsigned char*>(p);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ULL;
-  };
-  auto mix_tensor = [&](const Tensor& t) {
-    if (!t.defined()) return;
-    const Tensor c = t.to(kCPU).contiguous();
-    const auto dtype = static_cast<int>(c.dtype());
-    mix(&dtype, sizeof dtype);
-    for (std::int64_t d : c.shape()) mix(&d, sizeof d);
-    if (c.nbytes() > 0) mix(c.raw_data(), c.nbytes());
-  };
-  const std::int64_t n = data.size();
-  const std::int64_t picks = std::min<std::int64_t>(n, 64);
-  for (std::int64_t k = 0; k < picks; ++k) {
-    // Index k * (n - 1) / (picks - 1) without overflow: 0 first, n - 1 last.
-    const std::int64_t i = picks == 1 ? 0 : static_cast<std::int64_t>(
-        static_cast<long double>(k) * static_cast<long double>(n - 1) / static_cast<long double>(picks - 1));
-    mix_tensor(data.get(i).label);
-  }
-  return fmt::format("{:016x}", h);
-}
-
 nlohmann::json loss_to_json(double v) {
   if (std::isfinite(v)) return v;
   if (std::isnan(v)) return "NaN";
@@ -424,7 +393,7 @@ TrainOutput Trainer::train() {
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
   std::int64_t logged_at = 0;               // the step of the last log line
-  const std::string fingerprint = data_fingerprint(train_set_);  // Note [Resuming the same run]
+  const std::string fingerprint = label_fingerprint(train_set_);  // Note [Resuming the same run]
   if (!args_.resume_from_checkpoint.empty()) {
     std::optional<ResumePoint> point;
     if (args_.resume_from_checkpoint == "latest") {

@@ -19,7 +19,7 @@ namespace microbatch::testing {
 namespace {
 // f64 values uniform in [lo, hi) drawn from `seed`, leaving the default generator as it was.
 Tensor seeded_uniform(const Shape& shape, std::uint64_t seed, double lo, double hi) {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(seed);
   return rand(shape, {.dtype = DType::f64}) * (hi - lo) + lo;
 }
@@ -282,6 +282,25 @@ std::string run_in_child(const std::function<std::string()>& body, ChildLimits l
     return "killed by signal " + std::to_string(sig) + " (" + ::strsignal(sig) + ")";
   }
   return report;
+}
+
+std::vector<nlohmann::json> read_log(const std::filesystem::path& dir) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream in(dir / "log.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    // A run being watched may be in the middle of a line.
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_discarded()) lines.push_back(std::move(j));
+  }
+  return lines;
+}
+
+std::vector<nlohmann::json> step_lines(const std::filesystem::path& dir) {
+  std::vector<nlohmann::json> lines;
+  for (auto& l : read_log(dir))
+    if (!l.contains("event")) lines.push_back(l);
+  return lines;
 }
 
 }  // namespace microbatch::testing

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <functional>
@@ -21,17 +22,10 @@ inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType
                                        DType::i32, DType::i64, DType::u8,  DType::boolean};
 inline constexpr DType kFloatDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
 
-/// Restores the default generator at scope exit, so a test leaves the random stream as it found it.
-class GeneratorRestore {
- public:
-  GeneratorRestore() : saved_(default_generator().state()) {}
-  ~GeneratorRestore() { default_generator().set_state(saved_); }
-  GeneratorRestore(const GeneratorRestore&) = delete;
-  GeneratorRestore& operator=(const GeneratorRestore&) = delete;
-
- private:
-  GeneratorState saved_;
-};
+/// The JSON lines of dir/log.jsonl (a Trainer's log); a line still being written is left out.
+std::vector<nlohmann::json> read_log(const std::filesystem::path& dir);
+/// Its step lines: those that are not events.
+std::vector<nlohmann::json> step_lines(const std::filesystem::path& dir);
 
 struct GradcheckOptions {
   double eps = 1e-6;

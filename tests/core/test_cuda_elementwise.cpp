@@ -361,7 +361,7 @@ MB_CUDA_TEST_CASE("cuda gather, index_select and embedding match the CPU, backwa
 }
 
 MB_CUDA_TEST_CASE("cuda embedding gradients of repeated rows equal the CPU's bit for bit") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(6);
   const Tensor g = randn({4096, 64});
   std::vector<double> idx(4096);
@@ -462,7 +462,7 @@ MB_CUDA_TEST_CASE("cuda cat, stack, transpose and contiguous match the CPU") {
 // ---- random ------------------------------------------------------------------------------------
 
 MB_CUDA_TEST_CASE("cuda rand, randn and dropout draw the CPU's bits") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   const Device gpu = cuda_device(0);
   for (DType dt : kFloatDTypes) {
     for (std::int64_t n : {1, 3, 31, 33, 1000003}) {

@@ -235,7 +235,7 @@ MB_CUDA_TEST_CASE("cuda sums over leading dims give the same bits on every run")
 // ---- sorted scatter_add ------------------------------------------------------------------------
 
 MB_CUDA_TEST_CASE("cuda embedding gradients equal the CPU's bits with long runs of one token") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(31);
   struct Case {
     std::int64_t n, c, vocab;
@@ -263,7 +263,7 @@ MB_CUDA_TEST_CASE("cuda embedding gradients equal the CPU's bits with long runs 
 MB_CUDA_TEST_CASE("cuda embedding gradients added in place into an f32 buffer equal the CPU's bits") {
   // Note [Embedding gradients in place]: two micro-batches of weight 0.3 (a product that rounds)
   // into a preset buffer, through the sorted kernel (n >= 256) and the line kernel (n < 256).
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(33);
   struct Case {
     std::int64_t n, c, vocab;

@@ -538,7 +538,7 @@ TEST_CASE("to(dtype): bf16 rounds to nearest even, overflows to inf, keeps subno
 
 TEST_CASE("to(dtype): round trips between the other dtypes") {
   // f32 -> f64 -> f32 is exact for any f32 value.
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(5);
   Tensor x = randn({100});
   Tensor wide = x.to(DType::f64);
@@ -638,7 +638,7 @@ TEST_CASE("printing shows values, shape and dtype") {
 // ---- random factories --------------------------------------------------------------------------
 
 TEST_CASE("rand and randn are deterministic for a seed") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   for (DType dt : kFloatDTypes) {
     CAPTURE(dtype_name(dt));
     manual_seed(123);
@@ -674,7 +674,7 @@ TEST_CASE("rand and randn are deterministic for a seed") {
 }
 
 TEST_CASE("rand is uniform on [0, 1) and randn standard normal, over 10^5 samples") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(2024);
   const int n = 100000;
   auto moments = [](const std::vector<double>& v) {
@@ -712,7 +712,7 @@ TEST_CASE("rand is uniform on [0, 1) and randn standard normal, over 10^5 sample
 // ---- meta tensors ------------------------------------------------------------------------------
 
 TEST_CASE("meta tensors have shapes and simulated storage, but no values") {
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   Tensor m = empty({4, 8}, {.device = kMeta});
   CHECK(m.device() == kMeta);
   CHECK(m.shape() == Shape{4, 8});
@@ -790,7 +790,7 @@ TEST_CASE("a CUDA device that does not exist gives a clear error") {
 
 MB_CUDA_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and layouts") {
   const Device gpu = cuda_device(0);
-  GeneratorRestore restore;
+  GeneratorStateGuard restore;
   manual_seed(77);
   Tensor x = randn({33, 65});
   const MemoryStats before = memory_stats(gpu);

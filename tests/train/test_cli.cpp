@@ -53,17 +53,6 @@ void expect_refusals(const std::vector<std::pair<std::string, std::string>>& cas
   }
 }
 
-// The step lines of dir/log.jsonl (not its events).
-std::vector<nlohmann::json> step_lines(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(dir / "log.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (!j.contains("event")) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 // A small GPT on synthetic tokens, one step on the CPU, into dir/run.
 std::string tiny_gpt(const std::string& command, const fs::path& dir) {

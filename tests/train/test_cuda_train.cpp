@@ -36,16 +36,6 @@ ModelInit gpt2() {
   return [] { return std::make_unique<nn::GPT>(nn::GPTConfig::gpt2_small()); };
 }
 
-std::vector<nlohmann::json> step_lines(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(dir / "log.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (!j.contains("event")) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 struct Run {
   std::vector<std::pair<std::string, Tensor>> weights;  // on the host

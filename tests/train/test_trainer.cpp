@@ -29,20 +29,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-
-std::vector<nlohmann::json> read_log(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  std::ifstream in(dir / "log.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    // A run being watched may be in the middle of a line.
-    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_discarded()) lines.push_back(std::move(j));
-  }
-  return lines;
-}
-
-
 TensorDataset synthetic_images(std::int64_t n, std::uint64_t seed) {
   manual_seed(seed);
   Tensor x = rand({n, 28, 28});
@@ -146,12 +132,6 @@ std::vector<std::int64_t> checkpoint_steps(const fs::path& dir) {
   return steps;
 }
 
-std::vector<nlohmann::json> step_lines(const fs::path& dir) {
-  std::vector<nlohmann::json> lines;
-  for (auto& l : read_log(dir))
-    if (!l.contains("event")) lines.push_back(l);
-  return lines;
-}
 
 // Trains small_mlp() with `a` on `data`, its console lines discarded.
 TrainOutput quiet_train(const TrainingArguments& a, const Dataset& data, const Dataset* eval = nullptr) {
