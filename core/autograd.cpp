@@ -52,12 +52,37 @@ bool retaining_graph() { return t_retaining_graph; }
 
 // ---- nodes -------------------------------------------------------------------------------------
 
-Node::Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs)
+Node::Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs,
+           std::vector<InputMeta> inputs)
     : name_(std::move(name)),
       next_edges_(std::move(next_edges)),
       fn_(std::move(fn)),
       num_outputs_(num_outputs),
-      sequence_nr_(g_sequence.fetch_add(1)) {}
+      sequence_nr_(g_sequence.fetch_add(1)),
+      inputs_(std::move(inputs)) {
+  MB_ASSERT(inputs_.empty() || inputs_.size() == next_edges_.size(),
+            "{}: {} input records for {} edges", name_, inputs_.size(), next_edges_.size());
+}
+
+std::vector<InputMeta> input_meta(const std::vector<Tensor>& inputs) {
+  std::vector<InputMeta> meta(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (inputs[i].defined()) meta[i] = {inputs[i].shape(), inputs[i].device()};
+  }
+  return meta;
+}
+
+namespace {
+// Whether a tensor of shape `from` broadcasts to shape `to`.
+bool expands_to(const Shape& from, const Shape& to) {
+  if (from.size() > to.size()) return false;
+  const std::size_t lead = to.size() - from.size();
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    if (from[i] != 1 && from[i] != to[lead + i]) return false;
+  }
+  return true;
+}
+}  // namespace
 
 std::vector<Tensor> Node::apply(std::vector<Tensor> grad_outputs) {
   MB_CHECK(fn_ != nullptr,
@@ -65,8 +90,28 @@ std::vector<Tensor> Node::apply(std::vector<Tensor> grad_outputs) {
            "after the first backward. Pass BackwardOptions{{.retain_graph = true}} the first time.",
            name_);
   std::vector<Tensor> grads = fn_(std::move(grad_outputs));
-  MB_ASSERT(grads.size() == next_edges_.size(), "{} returned {} gradients for {} inputs", name_,
-            grads.size(), next_edges_.size());
+  // Note [Checking returned gradients].
+  MB_CHECK(grads.size() == next_edges_.size(),
+           "[backward] {} returned an incorrect number of gradients (expected {}, got {})", name_,
+           next_edges_.size(), grads.size());
+  for (std::size_t i = 0; i < inputs_.size(); ++i) {
+    Tensor& g = grads[i];
+    if (!g.defined() || !next_edges_[i].fn) continue;
+    const InputMeta& in = inputs_[i];
+    MB_CHECK(is_floating(g.dtype()),
+             "[backward] {} returned a gradient of dtype {} at index {}; gradients are floating",
+             name_, dtype_name(g.dtype()), i);
+    MB_CHECK(g.device() == in.device,
+             "[backward] {} returned a gradient on {} at index {} for an input on {}", name_,
+             g.device().str(), i, in.device.str());
+    if (g.shape() != in.shape) {
+      MB_CHECK(expands_to(in.shape, g.shape()),
+               "[backward] {} returned an invalid gradient at index {}: got shape {} but expected "
+               "a shape compatible with {}",
+               name_, i, shape_str(g.shape()), shape_str(in.shape));
+      g = sum_to(g, in.shape);
+    }
+  }
   return grads;
 }
 
@@ -158,7 +203,8 @@ void record_multi(const char* op, const std::vector<Tensor>& inputs, std::vector
   edges.reserve(inputs.size());
   for (const Tensor& t : inputs) edges.push_back(gradient_edge(t));
   set_history(outputs, std::make_shared<Node>(op, std::move(edges), std::move(backward),
-                                              static_cast<int>(outputs.size())));
+                                              static_cast<int>(outputs.size()),
+                                              input_meta(inputs)));
 }
 
 void set_history(std::vector<Tensor>& outputs, const std::shared_ptr<Node>& node) {
@@ -357,13 +403,17 @@ void execute(std::vector<Tensor> roots, std::vector<Tensor> grad_roots,
         }
       }
     }
+    // A node that no gradient reached (every one it was given undefined, as a custom node may
+    // return) is not run, as torch's; the nodes below it still count it as done.
     std::vector<Tensor> input_grads;
-    {
+    const bool reached =
+        std::any_of(grads.begin(), grads.end(), [](const Tensor& g) { return g.defined(); });
+    if (reached) {
       std::optional<profiler::Scope> scope;
       if (profiler::enabled()) open_scope(scope, *node, grads);
       input_grads = node->apply(std::move(grads));
-      if (!options.retain_graph) node->release();
     }
+    if (!options.retain_graph) node->release();
 
     const auto& edges = node->next_edges();
     for (std::size_t i = 0; i < edges.size(); ++i) {

@@ -31,9 +31,25 @@ struct Edge {
   int input_nr = 0;  // which output of fn the gradient belongs to
 };
 
+/// What a node's input was when the node was recorded: the gradient it returns for that input
+/// must match it (Note [Checking returned gradients]).
+struct InputMeta {
+  Shape shape;
+  Device device = kCPU;
+};
+/// The InputMeta of each input (an undefined input gets an empty one, never checked).
+std::vector<InputMeta> input_meta(const std::vector<Tensor>& inputs);
+
+// Note [Checking returned gradients]: as torch's engine (validate_outputs), a node's backward
+// must return one gradient per input, and a defined gradient for an input that takes one must
+// have the input's shape, or a shape the input broadcasts to, which is then summed back to the
+// input's shape; a gradient of another shape or on another device is an error naming the node and
+// the input's index. A gradient's dtype is left as returned (a 16-bit input's f32 gradient keeps
+// its precision on the way to an f32 accumulator).
 class Node {
  public:
-  Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs);
+  Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int num_outputs,
+       std::vector<InputMeta> inputs = {});
   virtual ~Node() = default;
 
   /// Gradients for next_edges(), one per edge.
@@ -51,6 +67,7 @@ class Node {
   BackwardFn fn_;
   int num_outputs_;
   std::uint64_t sequence_nr_;
+  std::vector<InputMeta> inputs_;  // empty: the gradients are not checked
 };
 
 /// The sink of a leaf: accumulates `grad += w * g` into the leaf's .grad (Note [Gradient writes]).

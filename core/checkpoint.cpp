@@ -71,7 +71,8 @@ std::vector<Tensor> checkpoint(const CheckpointFn& fn, const std::vector<Tensor>
     return result;
   };
   set_history(outputs, std::make_shared<Node>("checkpoint", std::move(edges), std::move(backward),
-                                              static_cast<int>(outputs.size())));
+                                              static_cast<int>(outputs.size()),
+                                              input_meta(inputs)));
   return outputs;
 }
 

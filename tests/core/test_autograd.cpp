@@ -638,3 +638,85 @@ TEST_CASE("checkpoint: an output that is an input, as is, leaves the input a lea
   }
   CHECK(memory_stats(kCPU).allocated.current == before);  // no cycle keeps x alive
 }
+
+TEST_CASE("a recorded node's gradients are checked against its inputs, as torch's engine") {
+  // Note [Checking returned gradients]. `custom` returns whatever `make` gives for its two inputs
+  // (a (2, 3) leaf and a (3,) non-leaf made from a leaf).
+  using Make = std::function<std::vector<Tensor>()>;
+  auto run = [](const Make& make, Tensor* a_grad = nullptr, Tensor* b_grad = nullptr) {
+    Tensor a = leaf({1, 2, 3, 4, 5, 6}, {2, 3});
+    Tensor b0 = leaf({1, 1, 1}, {3});
+    Tensor b = b0 * 2.0;
+    Tensor out = zeros({2, 3}, {.dtype = DType::f64});
+    record("custom", {a, b}, out, [make](const Tensor&) { return make(); });
+    sum(out).backward();
+    if (a_grad) *a_grad = a.grad();
+    if (b_grad) *b_grad = b0.grad();
+  };
+  const auto f64 = [](const Shape& shape, double v) {
+    return full(shape, v, {.dtype = DType::f64});
+  };
+  SUBCASE("the right shapes pass through") {
+    Tensor ga, gb;
+    run([&] { return std::vector<Tensor>{f64({2, 3}, 1.0), f64({3}, 0.5)}; }, &ga, &gb);
+    CHECK(ga.to_vector() == std::vector<double>(6, 1.0));
+    CHECK(gb.to_vector() == std::vector<double>(3, 1.0));  // 0.5 through b = 2 b0
+  }
+  SUBCASE("a shape the input broadcasts to is summed back to the input's shape") {
+    Tensor ga, gb;
+    run([&] { return std::vector<Tensor>{f64({4, 2, 3}, 1.0), f64({2, 3}, 0.5)}; }, &ga, &gb);
+    CHECK(ga.shape() == Shape{2, 3});
+    CHECK(ga.to_vector() == std::vector<double>(6, 4.0));
+    CHECK(gb.to_vector() == std::vector<double>(3, 2.0));  // two rows of 0.5, times 2
+  }
+  SUBCASE("a wrong number of gradients") {
+    check_throws_with([&] { run([&] { return std::vector<Tensor>{f64({2, 3}, 1.0)}; }); },
+                      "[backward] custom returned an incorrect number of gradients (expected 2, "
+                      "got 1)");
+  }
+  SUBCASE("a shape the input does not broadcast to, at a leaf and at a non-leaf") {
+    check_throws_with(
+        [&] { run([&] { return std::vector<Tensor>{f64({3, 2}, 1.0), f64({3}, 1.0)}; }); },
+        "[backward] custom returned an invalid gradient at index 0: got shape (3, 2) but expected "
+        "a shape compatible with (2, 3)");
+    check_throws_with(
+        [&] { run([&] { return std::vector<Tensor>{f64({2, 3}, 1.0), f64({4}, 1.0)}; }); },
+        "[backward] custom returned an invalid gradient at index 1: got shape (4,) but expected a "
+        "shape compatible with (3,)");
+  }
+  SUBCASE("a gradient on another device, or of an integer dtype") {
+    check_throws_with(
+        [&] {
+          run([&] {
+            return std::vector<Tensor>{
+                zeros({2, 3}, {.dtype = DType::f64, .device = kMeta}), f64({3}, 1.0)};
+          });
+        },
+        "[backward] custom returned a gradient on meta at index 0 for an input on cpu");
+    check_throws_with(
+        [&] {
+          run([&] {
+            return std::vector<Tensor>{f64({2, 3}, 1.0), zeros({3}, {.dtype = DType::i64})};
+          });
+        },
+        "[backward] custom returned a gradient of dtype i64 at index 1; gradients are floating");
+  }
+  SUBCASE("an undefined gradient is not checked, and the node below it does not run") {
+    // As torch: b0 = leaf, b = b0 * 2 gets no gradient, so b0.grad stays undefined.
+    Tensor ga, gb;
+    run([&] { return std::vector<Tensor>{f64({2, 3}, 1.0), Tensor()}; }, &ga, &gb);
+    CHECK(ga.to_vector() == std::vector<double>(6, 1.0));
+    CHECK_FALSE(gb.defined());
+  }
+}
+
+TEST_CASE("checkpoint: a segment that ignores its input leaves the input's graph unrun") {
+  // The segment gives its input no gradient; y = exp(x) then receives none and must not run its
+  // formula on an undefined gradient. As torch.utils.checkpoint: x.grad = 1, w.grad = 3.
+  Tensor x = leaf({0.5, 0.5, 0.5}, {3}), w = leaf({2, 2, 2}, {3});
+  Tensor y = exp(x);
+  Tensor z = checkpoint([&](const Tensor&) { return w * 3.0; }, y);
+  (sum(z) + sum(x)).backward();
+  CHECK(x.grad().to_vector() == std::vector<double>{1, 1, 1});
+  CHECK(w.grad().to_vector() == std::vector<double>{3, 3, 3});
+}
