@@ -494,6 +494,12 @@ Tensor arange(double start, double end, double step, TensorOptions options) {
            start, end);
   MB_CHECK(std::isfinite(step) && step != 0.0, "[arange] step must be nonzero and finite, got {}",
            step);
+  // An integer dtype needs whole bounds and step. torch truncates fractions, and its integer
+  // dtypes disagree on the count (arange(0, 5, 1.5) has 5 elements in int64, 4 in int32).
+  MB_CHECK(!is_integer(options.dtype) ||
+               (start == std::trunc(start) && end == std::trunc(end) && step == std::trunc(step)),
+           "[arange] {} needs whole start, end and step, got {} -> {} in steps of {}",
+           dtype_name(options.dtype), start, end, step);
   // Counted in double first: converting a count beyond int64's range to int64 is undefined.
   const double count = std::ceil((end - start) / step);
   MB_CHECK(count < 0x1p63,

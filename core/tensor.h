@@ -189,7 +189,7 @@ Tensor zeros(const Shape& shape, TensorOptions options = {});
 Tensor ones(const Shape& shape, TensorOptions options = {});
 /// Every element `value`, which an integer dtype must hold (holds_value).
 Tensor full(const Shape& shape, double value, TensorOptions options = {});
-/// start, start+step, ... < end; exact in int64 for an integer dtype with a whole start and step.
+/// start, start+step, ... < end; an integer dtype needs whole start, end and step (exact in int64).
 Tensor arange(double start, double end, double step = 1.0, TensorOptions options = {});
 /// Uniform in [0, 1), from the default Philox generator.
 Tensor rand(const Shape& shape, TensorOptions options = {});

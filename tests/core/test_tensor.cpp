@@ -130,6 +130,15 @@ TEST_CASE("arange in every dtype, with fractional and negative steps") {
   CHECK(arange(3, 3).numel() == 0);
   CHECK(arange(3, 1).numel() == 0);  // wrong direction: empty, as numpy
   check_throws_with([] { arange(0, 1, 0); }, "[arange] step must be nonzero");
+  // An integer dtype refuses fractions, where torch truncates them (and counts differently in
+  // int64 and in narrower dtypes).
+  CHECK(arange(-3, 3, 2, {.dtype = DType::i64}).to_vector() == std::vector<double>{-3, -1, 1});
+  check_throws_with([] { arange(0, 5, 1.5, {.dtype = DType::i64}); },
+                    "[arange] i64 needs whole start, end and step, got 0 -> 5 in steps of 1.5");
+  check_throws_with([] { arange(0.5, 5, 1, {.dtype = DType::i32}); },
+                    "[arange] i32 needs whole start, end and step, got 0.5 -> 5 in steps of 1");
+  check_throws_with([] { arange(0, 4.5, 1, {.dtype = DType::u8}); },
+                    "[arange] u8 needs whole start, end and step, got 0 -> 4.5 in steps of 1");
 }
 
 TEST_CASE("arange refuses non-finite bounds and steps, and counts beyond int64, by name") {
