@@ -160,6 +160,26 @@ void derive_micro_batch(mb::train::TrainingArguments& args, const std::set<std::
   args.per_device_train_batch_size = effective / steps;
 }
 
+// resolve_batch_triad reads gradient_accumulation_steps = 1, its default, as not given, and derives
+// the steps from the other two. Here it is known to be given: a triple with it is checked whole, as
+// a triple with any other step count is.
+void check_given_triple(const mb::train::TrainingArguments& args,
+                        const std::set<std::string>& given) {
+  const bool all_three = given.count("per_device_train_batch_size") &&
+                         given.count("gradient_accumulation_steps") &&
+                         given.count("train_batch_size");
+  const std::int64_t micro = args.per_device_train_batch_size, effective = args.train_batch_size;
+  // 0 (derive it) and auto ask for a value rather than give one; resolve_batch_triad checks the
+  // other step counts.
+  if (!all_three || args.gradient_accumulation_steps != 1 || effective == 0 ||
+      micro == mb::train::kAutoBatch)
+    return;
+  MB_CHECK(micro == effective,
+           "[TrainingArguments] per_device_train_batch_size {} x gradient_accumulation_steps 1 = "
+           "{} does not equal train_batch_size {}; give two of the three",
+           micro, micro, effective);
+}
+
 mb::train::TrainingArguments training_arguments(Options& o) {
   nlohmann::json j = command_defaults().to_json();
   std::set<std::string> given;  // the arguments the user set, in the config file or by a flag
@@ -198,6 +218,7 @@ mb::train::TrainingArguments training_arguments(Options& o) {
   o.eval_strategy_given = given.count("eval_strategy") > 0;
   mb::train::TrainingArguments args = mb::train::TrainingArguments::from_json(j);
   derive_micro_batch(args, given);
+  check_given_triple(args, given);
   return args;
 }
 

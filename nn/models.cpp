@@ -11,9 +11,10 @@ std::int64_t Model::count_not_ignored(const Tensor& labels, std::int64_t ignore_
 }
 
 std::int64_t Model::count_loss_items(const Tensor& labels) const {
-  // Class indices equal to the loss's ignore_index (-100, classify's) carry no loss, as torch's
-  // cross_entropy and Hugging Face's token counts treat them; soft (floating) labels all do.
-  if (is_integer(labels.dtype())) return count_not_ignored(labels, -100);
+  // Class indices equal to the loss's ignore_index (-100 for classify, a GPT's own) carry no loss,
+  // as torch's cross_entropy and Hugging Face's token counts treat them; soft (floating) labels all
+  // do.
+  if (is_integer(labels.dtype())) return count_not_ignored(labels, ignore_index());
   return labels.dim() == 0 ? 1 : labels.shape()[0];
 }
 
@@ -225,10 +226,6 @@ ModelOutput GPT::forward(const Tensor& inputs, const Tensor& labels) {
                              loss_options(out.logits, config.ignore_index));
   }
   return out;
-}
-
-std::int64_t GPT::count_loss_items(const Tensor& labels) const {
-  return count_not_ignored(labels, config.ignore_index);
 }
 
 }  // namespace microbatch::nn

@@ -20,7 +20,10 @@ class Model : public Module {
  public:
   virtual ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) = 0;
   ModelOutput operator()(const Tensor& inputs, const Tensor& labels = {}) { return forward(inputs, labels); }
-  /// Items that carry loss in `labels` (samples or tokens != ignore_index): the weight of a
+  /// The label that carries no loss (torch's ignore_index): -100 unless the model says otherwise.
+  /// The Trainer pads token labels with it and counts every other label as a loss-bearing item.
+  virtual std::int64_t ignore_index() const { return -100; }
+  /// Items that carry loss in `labels` (samples or tokens != ignore_index()): the weight of a
   /// micro-batch in an accumulation window is its share of these.
   virtual std::int64_t count_loss_items(const Tensor& labels) const;
   /// Recompute activations in backward instead of keeping them (trades compute for memory).
@@ -126,7 +129,7 @@ class GPT : public Model {
   explicit GPT(GPTConfig config = {});
   /// inputs (B, T) token ids; labels (B, T) next-token ids or ignore_index.
   ModelOutput forward(const Tensor& inputs, const Tensor& labels = {}) override;
-  std::int64_t count_loss_items(const Tensor& labels) const override;
+  std::int64_t ignore_index() const override { return config.ignore_index; }
   /// Recomputes each block in backward.
   void set_gradient_checkpointing(bool on) override { config.gradient_checkpointing = on; }
   bool gradient_checkpointing() const override { return config.gradient_checkpointing; }

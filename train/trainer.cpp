@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -15,7 +14,6 @@
 #include <iostream>
 #include <limits>
 #include <optional>
-#include <set>
 #include <vector>
 
 #include "optim/boundary_step.h"
@@ -25,43 +23,6 @@
 #include "train/checkpoint.h"
 
 namespace microbatch::train {
-
-// ---- metrics -----------------------------------------------------------------------------------
-
-Metrics classification_metrics(const EvalPrediction& p) {
-  MB_CHECK(p.logits.dim() == 2 && p.labels.dim() == 1 && p.labels.shape()[0] == p.logits.shape()[0],
-           "[classification_metrics] expected logits (N, C) and labels (N), got {} and {}",
-           shape_str(p.logits.shape()), shape_str(p.labels.shape()));
-  std::vector<double> pred = argmax(p.logits, 1).to_vector(), gold = p.labels.to_vector();
-  std::set<std::int64_t> classes;
-  std::map<std::int64_t, double> tp, fp, fn;
-  double correct = 0;
-  for (std::size_t i = 0; i < gold.size(); ++i) {
-    const auto y = static_cast<std::int64_t>(gold[i]), yhat = static_cast<std::int64_t>(pred[i]);
-    classes.insert(y);
-    classes.insert(yhat);
-    if (y == yhat) {
-      ++correct;
-      ++tp[y];
-    } else {
-      ++fp[yhat];
-      ++fn[y];
-    }
-  }
-  double precision = 0, recall = 0, f1 = 0;
-  for (std::int64_t c : classes) {
-    const double pc = tp[c] + fp[c] > 0 ? tp[c] / (tp[c] + fp[c]) : 0.0;
-    const double rc = tp[c] + fn[c] > 0 ? tp[c] / (tp[c] + fn[c]) : 0.0;
-    precision += pc;
-    recall += rc;
-    f1 += pc + rc > 0 ? 2 * pc * rc / (pc + rc) : 0.0;
-  }
-  const double k = classes.empty() ? 1.0 : static_cast<double>(classes.size());
-  return {{"accuracy", gold.empty() ? 0.0 : correct / static_cast<double>(gold.size())},
-          {"precision", precision / k},
-          {"recall", recall / k},
-          {"f1", f1 / k}};
-}
 
 // ---- set-up and planning -----------------------------------------------------------------------
 
@@ -376,8 +337,11 @@ TrainOutput Trainer::train() {
   }
   optim::AdamW adamw(store, {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
                              .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
+  // The model's ignore_index pads token labels and is left out of each micro-batch's items (Note
+  // [Batch items]), so that the weights are the shares of the items its loss averages over.
   DataLoader loader(train_set_, {.batch_size = plan_.effective_batch, .shuffle = true, .seed = args_.seed,
-                                 .prefetch = 0});
+                                 .prefetch = 0,
+                                 .collate = {.ignore_index = model_->ignore_index()}});
   const std::int64_t windows_per_epoch = loader.num_batches();
   const double epoch_steps =
       std::ceil(args_.num_train_epochs * static_cast<double>(windows_per_epoch));
@@ -683,10 +647,10 @@ TrainOutput Trainer::train() {
     } else {
       chunks = split_window(indices, plan_.micro_batch_size);
     }
-    // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not
-    // ignore_index; a sample labelled -100 does not count, so the weights still sum to 1. Counted
-    // from the labels alone: collating the window here would take its inputs' memory outside the
-    // out-of-memory recovery below.
+    // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not the
+    // model's ignore_index; a sample so labelled does not count, so the weights still sum to 1.
+    // Counted from the labels alone: collating the window here would take its inputs' memory
+    // outside the out-of-memory recovery below.
     auto items_of = [&](const Chunk& c) -> std::int64_t { return loader.items_for(c); };
     std::int64_t window_items = 0;
     for (const Chunk& c : chunks) window_items += items_of(c);
@@ -773,7 +737,6 @@ TrainOutput Trainer::train() {
     // What a log line reports; known here whenever one is due.
     const optim::ParamStore::GradNorm norm{.norm = current ? current->grad_norm : 0.0,
                                            .non_finite = current && current->skipped};
-    const double lr = current ? current->lr : adamw.lr();
     store.zero_grad();
     // Before the step moves: step - logged_step is the windows since the last line, this one not
     // among them (Note [Non-finite losses]).
@@ -787,6 +750,9 @@ TrainOutput Trainer::train() {
     if (floor_stop) stop_at_floor(*floor_stop);  // this window, now counted
 
     if (step % args_.logging_steps == 0 || step == total_steps) {
+      // The rate the next step runs with, as Hugging Face logs _get_learning_rate() after
+      // lr_scheduler.step(): the step is settled here, and a skipped one left the schedule put.
+      const double lr = adamw.lr();
       MemoryStats stats = memory_stats(device_);
       const double total = loss_total.value();  // the one read of the device between log lines
       const double loss = (total - logged_total) / static_cast<double>(step - logged_step);
@@ -877,33 +843,8 @@ namespace {
 // as much again), and a run whose training fits would fail at its first evaluation. So each
 // batch's share is kept as plain bytes outside the allocator, and the tensors are put together
 // with the CPU's budget lifted once the last batch has run (BudgetLift); their blocks go back to
-// the cache, which evaluation empties.
-class HostRows {
- public:
-  void add(const Tensor& t) {
-    const Tensor c = t.to(kCPU).contiguous();
-    if (shape_.empty()) {
-      shape_ = c.shape();
-      shape_[0] = 0;
-      dtype_ = c.dtype();
-    }
-    MB_ASSERT(c.dtype() == dtype_ && c.dim() == static_cast<std::int64_t>(shape_.size()),
-              "evaluation batches of different kinds");
-    shape_[0] += c.shape()[0];
-    const auto* p = static_cast<const std::byte*>(c.raw_data());
-    bytes_.insert(bytes_.end(), p, p + c.nbytes());
-  }
-  Tensor tensor() const {
-    Tensor t = empty(shape_, {.dtype = dtype_});
-    if (!bytes_.empty()) std::memcpy(t.raw_data(), bytes_.data(), bytes_.size());
-    return t;
-  }
-
- private:
-  Shape shape_;
-  DType dtype_ = DType::f32;
-  std::vector<std::byte> bytes_;
-};
+// the cache, which evaluation empties. Batches of different lengths are padded as they are put
+// together (Note [Padding across batches] in train/metrics.cpp).
 
 // Lifts the CPU allocator's budget in its scope.
 struct BudgetLift {
@@ -921,10 +862,14 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
   const bool collect = keep != nullptr || static_cast<bool>(compute_metrics_);
   for (;;) {
     try {
-      DataLoader loader(data, {.batch_size = eval_batch_size_, .prefetch = 0});
+      const std::int64_t ignore_index = model_->ignore_index();
+      DataLoader loader(data, {.batch_size = eval_batch_size_, .prefetch = 0,
+                               .collate = {.ignore_index = ignore_index}});
       double loss_sum = 0.0;
       std::int64_t items = 0;
-      HostRows logits, labels;  // Note [Predictions outside the budget]
+      // Note [Predictions outside the budget]; Note [Padding across batches].
+      HostRows logits("logits", kLogitsPadding);
+      HostRows labels("labels", static_cast<double>(ignore_index));
       bool token_labels = false, any = false;
       while (auto host_batch = loader.next()) {
         const Batch batch = host_batch->to(device_);
@@ -946,7 +891,7 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
       if (collect && any) {
         BudgetLift lift;
-        EvalPrediction p{logits.tensor(), labels.tensor()};
+        EvalPrediction p{logits.tensor(), labels.tensor(), ignore_index};
         if (compute_metrics_)
           for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
         if (keep) {

@@ -29,22 +29,11 @@
 
 #include "nn/models.h"
 #include "train/data.h"
+#include "train/metrics.h"
 #include "train/planner.h"
 #include "train/training_args.h"
 
 namespace microbatch::train {
-
-/// What compute_metrics sees: the logits of the whole evaluation set and its labels (CPU).
-struct EvalPrediction {
-  Tensor logits;  // (N, C) or (N, T, V)
-  Tensor labels;  // (N) or (N, T)
-};
-using Metrics = std::map<std::string, double>;
-using ComputeMetrics = std::function<Metrics(const EvalPrediction&)>;
-
-/// accuracy, and macro-averaged precision, recall and F1 over the classes present in labels or
-/// predictions, for class logits (N, C) and labels (N).
-Metrics classification_metrics(const EvalPrediction& prediction);
 
 /// Builds the model (as Hugging Face's model_init): the Trainer calls it once for training (and
 /// moves what it returns to the training device), and the planner calls it to measure copies on the
@@ -66,7 +55,7 @@ struct TrainOutput {
 };
 
 struct PredictionOutput {
-  Tensor predictions;  // logits
+  Tensor predictions;  // logits, as EvalPrediction's (Note [Padding across batches])
   Tensor label_ids;
   Metrics metrics;
 };

@@ -1,11 +1,13 @@
 #include <atomic>
 #include <cmath>
+#include <sstream>
 #include <stdexcept>
 
 #include "examples/accumulation_styles.h"
 #include "tests/core/harness.h"
 #include "train/accelerator.h"
 #include "train/accumulation_check.h"
+#include "train/trainer.h"
 
 using namespace microbatch;
 using namespace microbatch::testing;
@@ -297,4 +299,53 @@ TEST_CASE("examples: data with no batch is refused, not waited on forever") {
   train::DataLoader short_of_one(three, {.batch_size = 4, .drop_last = true});
   train::Accelerator accelerator({.cpu = true});
   check_throws_with([&] { accelerator.prepare(short_of_one); }, "no batches (3 examples");
+}
+
+TEST_CASE("Trainer: every split of a window gives one step with a GPT's own ignore_index") {
+  // Note [Batch items]: a micro-batch's items are the labels its model's loss averages over. With
+  // ignore_index = 0 the 0 labels carry no loss; counted as items, they would weight the rows
+  // (1, 6, 5 and 3 items here) by the wrong shares, and each split would give another step.
+  std::vector<double> xs, ys;
+  const int ignored[4] = {5, 0, 1, 3};
+  for (int r = 0; r < 4; ++r)
+    for (int t = 0; t < 6; ++t) {
+      xs.push_back((r + t) % 5);
+      ys.push_back(t < ignored[r] ? 0 : 1 + (r * t) % 4);
+    }
+  const Tensor inputs = from_vector(xs, {4, 6}, {.dtype = DType::i64});
+  const Tensor labels = from_vector(ys, {4, 6}, {.dtype = DType::i64});
+  const train::TensorDataset data(inputs, labels);
+  const train::ModelInit init = [] {
+    nn::GPTConfig config{.vocab_size = 5, .block_size = 6, .n_layer = 1, .n_head = 1, .n_embd = 8};
+    config.ignore_index = 0;
+    auto gpt = std::make_unique<nn::GPT>(config);
+    gpt->to(DType::f64);
+    return gpt;
+  };
+  std::vector<double> losses, norms;
+  for (auto [micro, steps] : {std::pair{4, 1}, std::pair{1, 4}, std::pair{2, 2}}) {
+    CAPTURE(micro);
+    TempDir dir;
+    train::Trainer trainer(init,
+                           {.output_dir = dir.path.string(), .per_device_train_batch_size = micro,
+                            .per_device_eval_batch_size = 1, .gradient_accumulation_steps = steps,
+                            .max_steps = 1, .max_grad_norm = 0, .logging_steps = 1,
+                            .use_cpu = true},
+                           data, &data);
+    std::ostringstream sink;
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    const std::vector<nlohmann::json> lines = step_lines(dir.path);
+    REQUIRE(lines.size() == 1);
+    losses.push_back(lines[0]["loss"]);
+    norms.push_back(lines[0]["grad_norm"]);
+    // Evaluation weights its batches of one row by the same items: the whole set's mean loss.
+    NoGradGuard no_grad;
+    const double whole = trainer.model().forward(inputs, labels).loss.item();
+    CHECK(trainer.evaluate().at("eval_loss") == doctest::Approx(whole).epsilon(1e-12));
+  }
+  for (std::size_t i = 1; i < losses.size(); ++i) {
+    CHECK(losses[i] == doctest::Approx(losses[0]).epsilon(1e-12));
+    CHECK(norms[i] == doctest::Approx(norms[0]).epsilon(1e-12));
+  }
 }

@@ -103,6 +103,10 @@ TEST_CASE("the command: bad input is a message and exit status 2, never an abort
       {"--gradient-accumulation-steps 4 --train-batch-size 32 --per-device-train-batch-size 64",
        "per_device_train_batch_size 64 x gradient_accumulation_steps 4 = 256 does not equal "
        "train_batch_size 32"},
+      // One accumulation step given is a step count like any other, not the default's "derive it".
+      {"--per-device-train-batch-size 4 --gradient-accumulation-steps 1 --train-batch-size 8",
+       "per_device_train_batch_size 4 x gradient_accumulation_steps 1 = 4 does not equal "
+       "train_batch_size 8"},
   };
   std::vector<std::pair<std::string, std::string>> full;
   for (const auto& [args, message] : cases) full.emplace_back(gpt + " " + args, message);
@@ -134,6 +138,10 @@ TEST_CASE("the command: any two of the batch triad give the third; a huge effect
   CHECK(l["steps_per_window"] == 5);
   l = train("micro_and_steps", "--per-device-train-batch-size 4 --gradient-accumulation-steps 2");
   CHECK(l["samples"] == 8);
+  l = train("all_three", "--per-device-train-batch-size 4 --gradient-accumulation-steps 1 "
+                         "--train-batch-size 4");
+  CHECK(l["steps_per_window"] == 1);
+  CHECK(l["samples"] == 4);
   l = train("total_only", "--train-batch-size 12");  // the default micro-batch, capped by the batch
   CHECK(l["micro_batch_size"] == 12);
   // Past the 40 sequences: one window of all of them, at once rather than never.

@@ -1,7 +1,7 @@
-// The Trainer: metrics, training under a memory budget (measured peak within it, same result as an
+// The Trainer: training under a memory budget (measured peak within it, same result as an
 // unlimited run), out-of-memory recovery, checkpoints and kill-and-resume through the command
-// (the arguments and model configs alone are test_arguments.cpp's; the command's flags,
-// test_cli.cpp's).
+// (the metrics and predictions are test_metrics.cpp's; the arguments and model configs alone,
+// test_arguments.cpp's; the command's flags, test_cli.cpp's).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,18 +74,6 @@ ModelInit small_mlp() {
 }
 
 }  // namespace
-
-TEST_CASE("classification metrics: accuracy and macro precision, recall, F1") {
-  // Predictions 0, 1, 1, 2 for labels 0, 1, 2, 2.
-  Tensor logits = from_vector({5, 0, 0, 0, 5, 0, 0, 5, 0, 0, 0, 5}, {4, 3});
-  Tensor labels = from_vector({0, 1, 2, 2}, {4}, {.dtype = DType::i64});
-  Metrics m = classification_metrics({logits, labels});
-  CHECK(m["accuracy"] == doctest::Approx(0.75));
-  // Per class precision 1, 1/2, 1; recall 1, 1, 1/2; F1 1, 2/3, 2/3.
-  CHECK(m["precision"] == doctest::Approx((1 + 0.5 + 1) / 3));
-  CHECK(m["recall"] == doctest::Approx((1 + 1 + 0.5) / 3));
-  CHECK(m["f1"] == doctest::Approx((1 + 2.0 / 3 + 2.0 / 3) / 3));
-}
 
 TEST_CASE("Trainer: logs per step, evaluates each epoch, predicts") {
   TempDir dir;
@@ -855,13 +843,40 @@ TEST_CASE("Trainer: an output_dir that cannot be made is refused by name, with t
                     "output_dir must name a folder");
 }
 
+TEST_CASE("Trainer: the logged learning rate is the schedule's after the step, as Hugging Face's") {
+  // Hugging Face logs _get_learning_rate() after lr_scheduler.step(): the rate the next step runs
+  // with. Linear, 2 warmup steps of 4, peak 1e-3: 5e-4, 1e-3, 5e-4, 0.
+  TempDir dir;
+  TensorDataset train_set = synthetic_images(32, 1);
+  TrainingArguments a = small_run(dir.path / "linear");
+  a.max_steps = 4;
+  a.warmup_steps = 2;
+  quiet_train(a, train_set);
+  std::vector<double> logged;
+  for (const nlohmann::json& l : step_lines(dir.path / "linear"))
+    logged.push_back(l["learning_rate"]);
+  CHECK(logged == std::vector<double>{5e-4, 1e-3, 5e-4, 0.0});
+  // A skipped step (fp16 overflow) does not move the schedule, as Hugging Face's scheduler stays
+  // put when the optimizer step was skipped: each line logs the rate after the steps taken.
+  quiet_train(inf_run(dir.path / "skips", 1), images_with_an_inf());
+  std::int64_t skipped = 0;
+  for (const nlohmann::json& l : step_lines(dir.path / "skips")) {
+    const auto taken = l["step"].get<std::int64_t>() - l["skipped_steps"].get<std::int64_t>();
+    skipped = l["skipped_steps"];
+    CHECK(l["learning_rate"].get<double>() ==
+          doctest::Approx(1e-3 * static_cast<double>(12 - taken) / 12).epsilon(1e-12));
+  }
+  CHECK(skipped >= 2);
+}
+
 TEST_CASE("TrainingArguments: a warmup ratio of the longest run never overflows nor outlasts it") {
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
   CHECK(TrainingArguments{.warmup_ratio = 1.0}.get_warmup_steps(kMax) == kMax);
   CHECK(TrainingArguments{.warmup_ratio = 0.1}.get_warmup_steps(1000) == 100);
   CHECK(TrainingArguments{.warmup_ratio = 0.1}.get_warmup_steps(5) == 1);  // ceil, as Hugging Face
   CHECK(TrainingArguments{.warmup_steps = 7, .warmup_ratio = 0.5}.get_warmup_steps(100) == 7);
-  // The run starts (the scheduler accepts its warmup) and its first step warms up from 0.
+  // The run starts (the scheduler accepts its warmup) and warms up from 0: its first line logs the
+  // rate of the second step (as Hugging Face logs it), 1/kMax of the peak.
   TempDir dir;
   TensorDataset train_set = synthetic_images(16, 1);
   TrainingArguments a = small_run(dir.path);
