@@ -86,6 +86,9 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
   std::vector<const Tensor*> seen;
   collect("", true, slots, seen);
   collect("", false, slots, seen);
+  // Under a store with f32 masters the working copy alone would be rewritten from stale masters
+  // by the next step: the store takes the value (Note [Parameters owned by a store]).
+  const std::shared_ptr<ParameterOwner> owner = owner_.lock();
   std::size_t used = 0;
   for (auto& [name, slot] : slots) {
     auto it = state.find(name);
@@ -100,6 +103,7 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
     MB_CHECK(it->second.shape() == slot->shape(), "[load_state_dict] '{}' has shape {}, the model expects {}",
              name, shape_str(it->second.shape()), shape_str(slot->shape()));
     NoGradGuard no_grad;
+    if (owner && owner->load_parameter(*slot, it->second)) continue;
     slot->copy_(it->second);
   }
   if (mode == LoadMode::Strict && used != state.size()) {
@@ -134,7 +138,7 @@ void move_slots(std::vector<std::pair<std::string, Tensor*>>& slots, Device devi
       if (moved.same_storage(*slot)) moved = moved.clone().detach();
     }
     if (params) {
-      moved.requires_grad_(true);
+      moved.requires_grad_(slot->requires_grad());  // a frozen parameter stays frozen
       // The gradient moves with its parameter, as torch's Module._apply moves param.grad.
       if (slot->grad().defined()) {
         NoGradGuard no_grad;
@@ -154,7 +158,22 @@ void Module::all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>
   for (auto& [name, child] : children_) child->all_slots(params, out);
 }
 
+void Module::check_movable(Device device, std::optional<DType> dtype) {
+  if (owner_.expired()) return;
+  std::vector<std::pair<std::string, Tensor*>> slots;
+  all_slots(true, slots);
+  for (auto& [name, slot] : slots) {
+    const DType dt = dtype && is_floating(slot->dtype()) ? *dtype : slot->dtype();
+    MB_CHECK(slot->device() == device && slot->dtype() == dt,
+             "[Module::to] parameter '{}' ({} on {}) belongs to a ParamStore, which would keep "
+             "updating its old copy: move or cast the model before building its ParamStore and "
+             "optimizer (asked for {} on {})",
+             name, dtype_name(slot->dtype()), slot->device().str(), dtype_name(dt), device.str());
+  }
+}
+
 void Module::to(Device device) {
+  check_movable(device, std::nullopt);
   for (bool params : {true, false}) {
     std::vector<std::pair<std::string, Tensor*>> slots;
     all_slots(params, slots);
@@ -163,6 +182,9 @@ void Module::to(Device device) {
 }
 
 void Module::to(DType dtype) {
+  std::vector<std::pair<std::string, Tensor*>> params;
+  all_slots(true, params);
+  if (!params.empty()) check_movable(params[0].second->device(), dtype);
   for (bool params : {true, false}) {
     std::vector<std::pair<std::string, Tensor*>> slots;
     all_slots(params, slots);
@@ -170,8 +192,25 @@ void Module::to(DType dtype) {
   }
 }
 
-void Module::zero_grad() {
-  for (auto& [n, t] : named_parameters()) t.set_grad({});
+void Module::zero_grad(GradReset reset) {
+  MB_CHECK(reset == GradReset::Zero || owner_.expired(),
+           "[Module::zero_grad] the gradients are views of a ParamStore's arena: SetToNone would "
+           "cut them off and the optimizer would step on zeros (use GradReset::Zero, or the "
+           "optimizer's zero_grad())");
+  NoGradGuard no_grad;
+  for (auto& [n, t] : named_parameters()) {
+    if (!t.grad().defined()) continue;
+    if (reset == GradReset::SetToNone) {
+      t.set_grad({});
+    } else {
+      t.grad().zero_();
+    }
+  }
+}
+
+void Module::set_parameter_owner(const std::weak_ptr<ParameterOwner>& owner) {
+  owner_ = owner;
+  for (auto& [name, child] : children_) child->set_parameter_owner(owner);
 }
 
 }  // namespace microbatch::nn

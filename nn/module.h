@@ -5,6 +5,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +37,21 @@ class DeviceScope {
 
 enum class LoadMode { Strict, NonStrict };
 
+/// What Module::zero_grad does with a defined gradient: zero it in place (torch 1.13's default,
+/// set_to_none=False), or drop it, as set_to_none=True.
+enum class GradReset { Zero, SetToNone };
+
+/// Whatever holds a module's parameters after the module was built into it (optim::ParamStore):
+/// the module asks it before it rewrites a parameter. Note [Parameters owned by a store] in
+/// optim/param_store.h.
+class ParameterOwner {
+ public:
+  virtual ~ParameterOwner() = default;
+  /// Writes `value` into the owned parameter `param` at the owner's full precision (its master
+  /// copy) and refreshes the copy the model reads. False when `param` is not one of the owner's.
+  virtual bool load_parameter(const Tensor& param, const Tensor& value) = 0;
+};
+
 class Module {
  public:
   virtual ~Module() = default;
@@ -58,12 +74,22 @@ class Module {
   /// Copies of nothing: the live parameter and buffer tensors by name (detached).
   StateDict state_dict() const;
   /// Copies values in (shapes must match; dtype is converted). Strict: names must match exactly.
+  /// A parameter owned by a ParamStore with f32 masters is loaded into its master, unrounded.
   void load_state_dict(const StateDict& state, LoadMode mode = LoadMode::Strict);
-  /// Moves (or casts) every parameter and buffer; parameters stay leaves requiring grad. Tensors
-  /// already on that device (with that dtype) are left as they are.
+  /// Moves (or casts) every parameter and buffer; parameters stay leaves and keep requires_grad.
+  /// Tensors already on that device (with that dtype) are left as they are. Refused while a
+  /// ParamStore owns the parameters and one of them would change.
   void to(Device device);
   void to(DType dtype);
-  void zero_grad();
+  /// Resets every parameter's gradient (torch 1.13's Module.zero_grad). SetToNone is refused while
+  /// a ParamStore owns the parameters: their gradients are views of its arena.
+  void zero_grad(GradReset reset = GradReset::Zero);
+
+  /// Records (for this module and every child) who owns the parameters' storage, which then
+  /// guards to(), zero_grad() and load_state_dict(). Held weakly: it lapses with its owner.
+  void set_parameter_owner(const std::weak_ptr<ParameterOwner>& owner);
+  /// Whether a live ParameterOwner holds this module's parameters.
+  bool has_parameter_owner() const { return !owner_.expired(); }
 
  protected:
   /// Registers a member tensor as a parameter (requires grad).
@@ -78,6 +104,8 @@ class Module {
  private:
   // Parameters (or buffers) by dotted name, each tensor once.
   NamedTensors named(bool params) const;
+  // Refuses a move that would change a parameter a live ParameterOwner holds.
+  void check_movable(Device device, std::optional<DType> dtype);
   // Every slot of this module and its children, tied ones included (for moves).
   void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
   void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,
@@ -86,6 +114,7 @@ class Module {
   std::vector<std::pair<std::string, Tensor*>> params_;
   std::vector<std::pair<std::string, Tensor*>> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::weak_ptr<ParameterOwner> owner_;
   bool training_ = true;
 };
 

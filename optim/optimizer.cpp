@@ -42,13 +42,19 @@ AdamW::AdamW(ParamStore& store, AdamWConfig config) : Optimizer(store), config_(
   MB_CHECK(config.weight_decay >= 0, "[AdamW] weight_decay must be >= 0, got {}",
            config.weight_decay);
   const TensorOptions opts{.dtype = state_dtype(store), .device = store.weights().device()};
-  exp_avg_ = zeros({store.numel()}, opts);
-  exp_avg_sq_ = zeros({store.numel()}, opts);
+  exp_avg_ = zeros({store.trainable_numel()}, opts);
+  exp_avg_sq_ = zeros({store.trainable_numel()}, opts);
 }
 
 namespace {
+// The weights an update pass writes: the trainable range, never the frozen one (Note [Frozen
+// parameters] in optim/param_store.h).
+Tensor updated(const Tensor& arena, const ParamStore& store) {
+  return arena.slice(0, 0, store.trainable_numel());
+}
+
 kernels::StridedView working_copy(const ParamStore& store) {
-  return store.has_master() ? store.weights().kview() : kernels::StridedView{};
+  return store.has_master() ? updated(store.weights(), store).kview() : kernels::StridedView{};
 }
 
 // A gated pass on the CPU reads the gate here, as the CUDA kernels read it on the device.
@@ -61,7 +67,7 @@ bool apply_gate_on_host(const kernels::DeviceGate& gate, double* grad_scale) {
 }  // namespace
 
 void AdamW::run(kernels::AdamWArgs args, const kernels::DeviceGate& gate) {
-  const Tensor& master = store_.master();
+  const Tensor master = updated(store_.master(), store_);
   launch("AdamW", master.device(),
          [&] {
            if (!apply_gate_on_host(gate, &args.grad_scale)) return;
@@ -119,7 +125,8 @@ SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config
   MB_CHECK(!config.nesterov || (config.momentum > 0 && config.dampening == 0),
            "[SGD] Nesterov momentum needs momentum > 0 and dampening 0");
   if (config.momentum != 0.0) {
-    momentum_buffer_ = zeros({store.numel()}, {.dtype = state_dtype(store), .device = store.weights().device()});
+    momentum_buffer_ = zeros({store.trainable_numel()},
+                             {.dtype = state_dtype(store), .device = store.weights().device()});
   }
 }
 
@@ -133,7 +140,7 @@ void SGD::run(double grad_scale, const kernels::DeviceGate& gate) {
                         .grad_scale = grad_scale,
                         .decay_end = store_.decay_numel()};
   kernels::StridedView buffer = momentum_buffer_.defined() ? momentum_buffer_.kview() : kernels::StridedView{};
-  const Tensor& master = store_.master();
+  const Tensor master = updated(store_.master(), store_);
   launch("SGD", master.device(),
          [&] {
            if (!apply_gate_on_host(gate, &args.grad_scale)) return;

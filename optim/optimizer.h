@@ -87,8 +87,8 @@ class AdamW final : public Optimizer {
   void run(kernels::AdamWArgs args, const kernels::DeviceGate& gate);
 
   AdamWConfig config_;
-  Tensor exp_avg_;     // (numel) f32 (f64 for f64 weights)
-  Tensor exp_avg_sq_;  // (numel)
+  Tensor exp_avg_;     // (trainable_numel) f32 (f64 for f64 weights)
+  Tensor exp_avg_sq_;  // (trainable_numel)
 };
 
 /// torch.optim.SGD (momentum, dampening, Nesterov, L2 weight decay added to the gradient).
@@ -114,7 +114,7 @@ class SGD final : public Optimizer {
   void run(double grad_scale, const kernels::DeviceGate& gate);
 
   SGDConfig config_;
-  Tensor momentum_buffer_;  // (numel), only with momentum
+  Tensor momentum_buffer_;  // (trainable_numel), only with momentum
 };
 
 }  // namespace microbatch::optim

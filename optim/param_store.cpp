@@ -20,27 +20,51 @@ bool decays(DecayRule rule, const Tensor& t) {
 }
 }  // namespace
 
-ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) : model_(model) {
+// The link the modules hold weakly (Note [Parameters owned by a store]).
+class ParamStore::Owner final : public nn::ParameterOwner {
+ public:
+  explicit Owner(ParamStore& store) : store_(store) {}
+  bool load_parameter(const Tensor& param, const Tensor& value) override {
+    return store_.load_parameter(param, value);
+  }
+
+ private:
+  ParamStore& store_;
+};
+
+ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) {
   auto slots = model.parameter_slots();
   MB_CHECK(!slots.empty(), "[ParamStore] the model has no parameters");
   const Device device = slots[0].second->device();
   const DType dtype = slots[0].second->dtype();
-  // Decay group first, each group in registration order.
+  // Decay group, then the rest of the trainable ones, then the frozen ones (Note [Frozen
+  // parameters]), each group in registration order.
+  enum class Group { Decay, NoDecay, Frozen };
+  auto group_of = [&](const Tensor& t) {
+    if (!t.requires_grad()) return Group::Frozen;
+    return decays(options.decay, t) ? Group::Decay : Group::NoDecay;
+  };
   std::vector<std::pair<std::string, Tensor*>> ordered;
-  for (int pass = 0; pass < 2; ++pass) {
+  for (Group group : {Group::Decay, Group::NoDecay, Group::Frozen}) {
     for (auto& s : slots) {
-      if (decays(options.decay, *s.second) == (pass == 0)) ordered.push_back(s);
+      if (group_of(*s.second) == group) ordered.push_back(s);
     }
   }
-  std::int64_t total = 0;
+  std::int64_t total = 0, trainable = 0;
   for (auto& [name, slot] : ordered) {
     MB_CHECK(slot->device() == device && slot->dtype() == dtype,
              "[ParamStore] parameter '{}' is {} on {}, others are {} on {}", name,
              dtype_name(slot->dtype()), slot->device().str(), dtype_name(dtype), device.str());
-    const bool d = decays(options.decay, *slot);
-    entries_.push_back(Entry{name, slot->shape(), total, slot->numel(), d});
-    if (d) decay_numel_ = total + slot->numel();
+    const Group group = group_of(*slot);
+    entries_.push_back(Entry{.name = name,
+                             .shape = slot->shape(),
+                             .offset = total,
+                             .numel = slot->numel(),
+                             .decay = group == Group::Decay,
+                             .frozen = group == Group::Frozen});
+    if (group == Group::Decay) decay_numel_ = total + slot->numel();
     total += slot->numel();
+    if (group != Group::Frozen) trainable = total;
   }
   const DType compute = options.compute_dtype.value_or(dtype);
   MB_CHECK(compute == dtype || (dtype == DType::f32 && is_16bit_float(compute)),
@@ -49,7 +73,7 @@ ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) : model_(mo
   if (compute != dtype) master_ = empty({total}, {.dtype = dtype, .device = device});
   weights_ = empty({total}, {.dtype = compute, .device = device});
   const DType grad_dtype = options.grad_dtype.value_or(dtype == DType::f64 ? DType::f64 : DType::f32);
-  grads_ = zeros({total}, {.dtype = grad_dtype, .device = device});
+  grads_ = zeros({trainable}, {.dtype = grad_dtype, .device = device});
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < ordered.size(); ++i) {
     const Entry& e = entries_[i];
@@ -57,12 +81,19 @@ ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) : model_(mo
     if (master_.defined()) master_of(e).copy_(*slot);
     Tensor w = weight_of(e);
     w.copy_(*slot);
-    Tensor param = w.detach();
-    param.requires_grad_(true);
-    param.set_grad(grad_of(e));
+    Tensor param = w.detach();  // a frozen one stays frozen, with no gradient slot
+    if (!e.frozen) {
+      param.requires_grad_(true);
+      param.set_grad(grad_of(e));
+    }
     *slot = param;
   }
+  owner_ = std::make_shared<Owner>(*this);
+  model.set_parameter_owner(owner_);
 }
+
+// The modules' weak links lapse with owner_; nothing here touches the model, which may be gone.
+ParamStore::~ParamStore() = default;
 
 Tensor ParamStore::weight_of(const Entry& e) const {
   return weights_.slice(0, e.offset, e.offset + e.numel).view(e.shape);
@@ -90,7 +121,28 @@ void ParamStore::load_master_state(const std::map<std::string, Tensor>& state) {
   if (master_.defined()) weights_.copy_(master_);
 }
 
+const ParamStore::Entry* ParamStore::entry_of(const Tensor& param) const {
+  if (!param.defined() || !param.same_storage(weights_) || numel() == 0) return nullptr;
+  const std::int64_t offset = param.offset() - weights_.offset();
+  if (offset < 0 || offset >= numel()) return nullptr;
+  const Entry& e = entry_at(offset);
+  const bool whole = e.offset == offset && param.shape() == e.shape && param.is_contiguous();
+  return whole ? &e : nullptr;
+}
+
+bool ParamStore::load_parameter(const Tensor& param, const Tensor& value) {
+  const Entry* e = entry_of(param);
+  if (e == nullptr) return false;
+  MB_CHECK(value.shape() == e->shape, "[ParamStore] '{}' has shape {}, expected {}", e->name,
+           shape_str(value.shape()), shape_str(e->shape));
+  NoGradGuard no_grad;
+  master_of(*e).copy_(value);
+  if (master_.defined()) weight_of(*e).copy_(master_of(*e));
+  return true;
+}
+
 Tensor ParamStore::grad_of(const Entry& e) const {
+  MB_CHECK(!e.frozen, "[ParamStore] '{}' is frozen: it has no gradient", e.name);
   return grads_.slice(0, e.offset, e.offset + e.numel).view(e.shape);
 }
 
@@ -131,6 +183,7 @@ std::string ParamStore::first_non_finite() const {
     return s.non_finite != 0 ? entry_at(s.first_non_finite).name : std::string();
   }
   for (const Entry& e : entries_) {
+    if (e.frozen) continue;
     if (kernels::cpu::sum_squares(grad_of(e).contiguous().kview()).non_finite) return e.name;
   }
   return {};

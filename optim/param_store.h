@@ -9,9 +9,29 @@
 // 16-bit working weights (what the model reads), f32 master weights (what the optimizer updates),
 // and f32 gradient accumulators. The optimizer's pass reads the gradient, updates the master and
 // its moments in f32, and writes the rounded working copy in the same loop.
+//
+// Note [Frozen parameters]: a parameter that does not require grad when the store is built stays
+// frozen, as torch's optimizers skip a parameter whose grad is None. The arenas hold three
+// ranges, [decay | no decay | frozen]: the frozen weights sit last, in the working arena (in the
+// compute dtype, so the forward reads them like any other) and in the master arena (f32, so
+// checkpoints keep them unrounded), but the gradient arena and the optimizer's moments stop at
+// trainable_numel(). Every pass (zero_grad, the norm, the non-finite check, clipping, AdamW, SGD
+// and their decay) runs over [0, trainable_numel()) and so never reads or writes a frozen weight,
+// with no per-element test in any kernel. A frozen parameter gets no .grad.
+//
+// Note [Parameters owned by a store]: the model's parameters are views of the store's arenas and
+// their .grad views of its gradient arena, which the module must not swap out from under it. The
+// store registers itself (through a small link object it owns) as the ParameterOwner of every
+// module in the tree, held weakly, so neither has to outlive the other: the link dies with
+// the store, after which the module is free again (its tensors keep the arena storage alive), and
+// the store never touches the module after construction, so a module destroyed first is harmless.
+// While the link lives, Module::to refuses to move or cast a parameter, zero_grad refuses
+// SetToNone, and load_state_dict hands each parameter's value to load_parameter(), which writes
+// the master at full precision and refreshes the working copy from it.
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,9 +62,14 @@ class ParamStore {
     std::int64_t offset = 0;  // in elements, same in both arenas
     std::int64_t numel = 0;
     bool decay = false;
+    bool frozen = false;  // no gradient slot, never updated (Note [Frozen parameters])
   };
 
   explicit ParamStore(nn::Module& model, ParamStoreOptions options = {});
+  ~ParamStore();
+  // The model's parameters and the ParameterOwner link point at this object and its arenas.
+  ParamStore(const ParamStore&) = delete;
+  ParamStore& operator=(const ParamStore&) = delete;
 
   /// (numel) the working weights the model computes with, decay group first.
   const Tensor& weights() const { return weights_; }
@@ -52,9 +77,12 @@ class ParamStore {
   /// separate master copy).
   const Tensor& master() const { return master_.defined() ? master_ : weights_; }
   bool has_master() const { return master_.defined(); }
-  /// (numel) the gradients, same layout.
+  /// (trainable_numel) the gradients, same layout; the frozen range has none.
   const Tensor& grads() const { return grads_; }
+  /// Every weight, frozen ones included.
   std::int64_t numel() const { return weights_.numel(); }
+  /// Elements [0, trainable_numel) are the ones optimizers update (Note [Frozen parameters]).
+  std::int64_t trainable_numel() const { return grads_.numel(); }
   /// Elements [0, decay_numel) get weight decay.
   std::int64_t decay_numel() const { return decay_numel_; }
   const std::vector<Entry>& entries() const { return entries_; }
@@ -72,7 +100,7 @@ class ParamStore {
   std::string first_non_finite() const;
   /// The entry whose slot holds arena element `index` (0 <= index < numel()).
   const Entry& entry_at(std::int64_t index) const;
-  /// The gradient of one entry, as a view with the parameter's shape.
+  /// The gradient of one entry, as a view with the parameter's shape (not of a frozen entry).
   Tensor grad_of(const Entry& e) const;
   Tensor weight_of(const Entry& e) const;
   Tensor master_of(const Entry& e) const;
@@ -80,15 +108,22 @@ class ParamStore {
   std::map<std::string, Tensor> master_state() const;
   /// Copies master weights in by name and refreshes the working copy from them.
   void load_master_state(const std::map<std::string, Tensor>& state);
+  /// Loads one value into the entry whose working weights `param` is (a view the store made):
+  /// into the master unrounded, then the working copy from it. False when `param` is not one.
+  bool load_parameter(const Tensor& param, const Tensor& value);
   std::size_t bytes() const {
     return weights_.nbytes() + grads_.nbytes() + (master_.defined() ? master_.nbytes() : 0);
   }
 
  private:
-  nn::Module& model_;
+  class Owner;
+  // The entry whose working weights `param` is, or none.
+  const Entry* entry_of(const Tensor& param) const;
+
+  std::shared_ptr<Owner> owner_;  // the modules hold it weakly (Note [Parameters owned by a store])
   Tensor weights_;
   Tensor master_;  // f32, only with a 16-bit compute dtype
-  Tensor grads_;
+  Tensor grads_;   // (trainable_numel)
   std::int64_t decay_numel_ = 0;
   std::vector<Entry> entries_;
 };

@@ -50,7 +50,9 @@ StepResult run_step(const std::function<std::unique_ptr<nn::Model>()>& make, con
     start += n;
   }
   StepResult r;
-  for (const auto& e : store.entries()) r.grads.emplace_back(e.name, store.grad_of(e).clone());
+  for (const auto& e : store.entries()) {
+    if (!e.frozen) r.grads.emplace_back(e.name, store.grad_of(e).clone());
+  }
   opt.step();
   for (const auto& e : store.entries()) r.weights.emplace_back(e.name, store.weight_of(e).clone());
   return r;

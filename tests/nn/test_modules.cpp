@@ -105,6 +105,15 @@ TEST_CASE("Module::to casts parameters, which stay trainable leaves") {
   check_close(m.named_parameters().front().second.grad(), before, 1e-6, 1e-7, "moved gradient");
 }
 
+TEST_CASE("Module::to keeps a frozen parameter frozen") {
+  MLP m({.in_features = 5, .hidden = {4}, .num_classes = 2});
+  m.named_parameters().front().second.requires_grad_(false);
+  m.to(DType::f64);
+  auto params = m.named_parameters();
+  CHECK_FALSE(params.front().second.requires_grad());
+  for (std::size_t i = 1; i < params.size(); ++i) CHECK(params[i].second.requires_grad());
+}
+
 TEST_CASE("train/eval reaches every child; dropout is off in eval") {
   MLP m({.in_features = 6, .hidden = {32}, .num_classes = 2, .dropout = 0.5});
   m.eval();

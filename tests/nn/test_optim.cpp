@@ -230,3 +230,144 @@ TEST_CASE("a second LRScheduler starts from the optimizer's initial lr, as torch
   check_throws_with([&] { cosine.load_state_dict(state); },
                     "[LRScheduler] state 'base_lr' must be a finite lr >= 0, got -0.1");
 }
+
+namespace {
+std::vector<double> values(const Tensor& t) { return t.to_vector(); }
+}  // namespace
+
+TEST_CASE("ParamStore: a frozen parameter stays frozen, gets no gradient and no update") {
+  // torch: a parameter with requires_grad False has grad None and AdamW and SGD skip it.
+  for (DType compute : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(compute));
+    for (int optimizer = 0; optimizer < 2; ++optimizer) {
+      CAPTURE(optimizer);
+      manual_seed(3);
+      nn::Linear lin(2, 2);
+      lin.weight.requires_grad_(false);
+      const std::vector<double> weight = values(lin.weight), bias = values(lin.bias);
+      optim::ParamStore store(lin, {.decay = optim::DecayRule::All, .compute_dtype = compute});
+      CHECK_FALSE(lin.weight.requires_grad());
+      CHECK_FALSE(lin.weight.grad().defined());
+      CHECK(lin.weight.dtype() == compute);  // converted, so the forward reads one dtype
+      CHECK(lin.bias.requires_grad());
+      CHECK(store.numel() == 6);
+      CHECK(store.trainable_numel() == 2);
+      CHECK(store.grads().numel() == 2);
+      CHECK(store.entries().back().name == "weight");
+      CHECK(store.entries().back().frozen);
+      check_throws_with([&] { store.grad_of(store.entries().back()); }, "'weight' is frozen");
+      std::unique_ptr<optim::Optimizer> opt;
+      if (optimizer == 0) {
+        opt = std::make_unique<optim::AdamW>(store,
+                                             optim::AdamWConfig{.lr = 0.1, .weight_decay = 0.5});
+      } else {
+        opt = std::make_unique<optim::SGD>(
+            store, optim::SGDConfig{.lr = 0.1, .momentum = 0.9, .weight_decay = 0.5});
+      }
+      for (int step = 0; step < 2; ++step) {
+        sum(lin.forward(ones({1, 2}, {.dtype = compute}))).backward();
+        CHECK_FALSE(lin.weight.grad().defined());
+        CHECK(store.grad_norm().norm == doctest::Approx(std::sqrt(2.0)));
+        CHECK(optim::clip_grad_norm_(store, 1.0) == doctest::Approx(std::sqrt(2.0)));
+        CHECK(store.first_non_finite().empty());
+        opt->step();
+        opt->zero_grad();
+      }
+      // Bit for bit: no update and no weight decay (its master, unrounded, likewise).
+      CHECK(values(store.master_state().at("weight")) == weight);
+      CHECK(values(lin.weight) == values(from_vector(weight, {2, 2}).to(compute)));
+      CHECK(values(store.master_state().at("bias")) != bias);
+    }
+  }
+}
+
+TEST_CASE("ParamStore: frozen parameters go through master_state and load_master_state") {
+  manual_seed(4);
+  nn::Linear lin(2, 2);
+  lin.bias.requires_grad_(false);
+  optim::ParamStore store(lin, {.compute_dtype = DType::bf16});
+  std::map<std::string, Tensor> saved;
+  for (auto& [name, t] : store.master_state()) saved[name] = t.clone();
+  REQUIRE(saved.size() == 2);
+  CHECK(saved.at("bias").dtype() == DType::f32);
+  saved.at("bias") = from_vector({1.0 + 1.0 / 1024, -3.0}, {2});  // not a bf16 value
+  store.load_master_state(saved);
+  check_close(store.master_state().at("bias"), {1.0 + 1.0 / 1024, -3.0}, 0, 0, "frozen master");
+  check_close(lin.bias, {1.0, -3.0}, 0, 0, "frozen working copy, rounded");
+  CHECK_FALSE(lin.bias.requires_grad());
+}
+
+TEST_CASE("Module::zero_grad zeroes in place, so gradients stay in the store's arena") {
+  // torch 1.13: Module.zero_grad() defaults to set_to_none=False.
+  nn::Linear lin(2, 1, {.bias = false});
+  const std::vector<double> before = values(lin.weight);
+  {
+    optim::ParamStore store(lin);
+    optim::SGD opt(store, {.lr = 1.0});
+    lin.zero_grad();
+    CHECK(lin.weight.grad().same_storage(store.grads()));
+    sum(lin.forward(ones({1, 2}))).backward();
+    opt.step();
+    // w - lr * 1 per element, in f32.
+    const std::vector<double> stepped{static_cast<float>(before[0]) - 1.0f,
+                                      static_cast<float>(before[1]) - 1.0f};
+    check_close(lin.weight, stepped, 0, 0, "stepped on the gradient");
+    sum(lin.forward(ones({1, 2}))).backward();
+    lin.zero_grad();
+    check_close(store.grads(), {0, 0}, 0, 0, "zeroed in place");
+    check_throws_with([&] { lin.zero_grad(nn::GradReset::SetToNone); },
+                      "[Module::zero_grad] the gradients are views of a ParamStore's arena");
+    CHECK(lin.weight.grad().same_storage(store.grads()));
+  }
+  // Without a store, SetToNone drops the gradient as torch's set_to_none=True.
+  sum(lin.forward(ones({1, 2}))).backward();
+  lin.zero_grad(nn::GradReset::SetToNone);
+  CHECK_FALSE(lin.weight.grad().defined());
+}
+
+TEST_CASE("Module::to is refused while a ParamStore owns the parameters, and free again after") {
+  nn::Linear lin(2, 2);
+  {
+    optim::ParamStore store(lin);
+    CHECK(lin.has_parameter_owner());
+    check_throws_with([&] { lin.to(DType::f64); },
+                      "move or cast the model before building its ParamStore and optimizer");
+    check_throws_with([&] { lin.to(kMeta); }, "belongs to a ParamStore");
+    lin.to(DType::f32);  // nothing would change: allowed
+    lin.to(kCPU);
+    CHECK(lin.weight.same_storage(store.weights()));
+  }
+  CHECK_FALSE(lin.has_parameter_owner());
+  lin.to(DType::f64);  // the store is gone: the module is free
+  CHECK(lin.weight.dtype() == DType::f64);
+  CHECK(lin.weight.requires_grad());
+
+  // A module destroyed before its store leaves a store that still works on its own arena.
+  auto owned = std::make_unique<nn::Linear>(2, 2);
+  optim::ParamStore store(*owned);
+  optim::AdamW opt(store);
+  sum(owned->forward(ones({1, 2}))).backward();
+  owned.reset();
+  opt.step();
+  store.zero_grad();
+  CHECK(store.master_state().size() == 2);
+}
+
+TEST_CASE("Module::load_state_dict under f32 masters loads the masters, unrounded") {
+  nn::Linear lin(2, 1, {.bias = false});
+  optim::ParamStore store(lin, {.compute_dtype = DType::bf16});
+  optim::SGD opt(store, {.lr = 0.0});
+  nn::StateDict sd;
+  sd["weight"] = full({1, 2}, 7.0);
+  lin.load_state_dict(sd);
+  sum(lin.forward(ones({1, 2}, {.dtype = DType::bf16}))).backward();
+  opt.step();
+  check_close(lin.weight, {7.0, 7.0}, 0, 0, "working copy after a step");
+  // An f32 value goes to the master as it is; the working copy is its bf16 rounding.
+  sd["weight"] = from_vector({1.0 + 1.0 / 1024, -2.0}, {1, 2});
+  lin.load_state_dict(sd);
+  check_close(store.master_state().at("weight"), {1.0 + 1.0 / 1024, -2.0}, 0, 0, "master");
+  check_close(lin.weight, {1.0, -2.0}, 0, 0, "working copy");
+  opt.step();
+  check_close(store.master_state().at("weight"), {1.0 + 1.0 / 1024, -2.0}, 0, 0, "master kept");
+}

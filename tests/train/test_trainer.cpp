@@ -190,6 +190,67 @@ TEST_CASE("Trainer: the end of training is saved and evaluated as Hugging Face's
   }
 }
 
+TEST_CASE("Trainer: a frozen layer keeps its weights bit for bit, through checkpoint and resume") {
+  TensorDataset train_set = synthetic_images(32, 1);
+  // small_mlp() with its first Linear frozen, as a pretrained feature layer would be.
+  ModelInit frozen_first = [] {
+    auto m = std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}});
+    const std::string first = m->named_parameters().front().first;  // "net.1.weight"
+    const std::string prefix = first.substr(0, first.rfind('.') + 1);
+    for (auto& [name, t] : m->named_parameters())
+      if (name.rfind(prefix, 0) == 0) t.requires_grad_(false);
+    return m;
+  };
+  for (bool bf16 : {false, true}) {
+    CAPTURE(bf16);
+    TempDir dir;
+    TrainingArguments a = small_run(dir.path);
+    a.max_steps = 2;
+    a.save_strategy = "steps";
+    a.save_steps = 2;
+    a.bf16 = bf16;
+    std::map<std::string, std::vector<double>> before;
+    std::set<std::string> frozen;
+    auto check_weights = [&](nn::Model& model) {
+      for (auto& [name, t] : model.named_parameters()) {
+        CAPTURE(name);
+        CHECK(t.requires_grad() == (frozen.count(name) == 0));
+        // The working copy is the initial value in the compute dtype.
+        const std::vector<double> initial =
+            from_vector(before.at(name), t.shape()).to(t.dtype()).to_vector();
+        if (frozen.count(name) > 0) {
+          CHECK(t.to_vector() == initial);
+        } else {
+          CHECK(t.to_vector() != initial);
+        }
+      }
+    };
+    {
+      std::ostringstream sink;
+      Trainer trainer(frozen_first, a, train_set);
+      trainer.set_log_stream(&sink);
+      for (auto& [name, t] : trainer.model().named_parameters()) {
+        before[name] = t.to_vector();
+        if (!t.requires_grad()) frozen.insert(name);
+      }
+      REQUIRE(frozen.size() == 2);
+      trainer.train();
+      check_weights(trainer.model());
+    }
+    // The checkpoint holds the frozen masters unrounded; a resumed run keeps them too.
+    const CheckpointData saved = load_checkpoint((dir.path / "checkpoint-2").string());
+    for (const std::string& name : frozen)
+      CHECK(saved.model.at(name).to_vector() == before.at(name));
+    a.max_steps = 4;
+    a.resume_from_checkpoint = "latest";
+    std::ostringstream sink;
+    Trainer resumed(frozen_first, a, train_set);
+    resumed.set_log_stream(&sink);
+    resumed.train();
+    check_weights(resumed.model());
+  }
+}
+
 TEST_CASE("Trainer: a log line's loss is the mean over the steps since the last line") {
   TensorDataset train_set = synthetic_images(96, 1);
   auto losses = [&](std::int64_t logging_steps) {
