@@ -39,6 +39,14 @@ MB_HOST_DEVICE inline float uniform_from_bits(std::uint32_t x) {
   return static_cast<float>(x >> 8) * 5.9604644775390625e-08f;
 }
 
+/// A uniform value from uniform_from_bits (k * 2^-24) kept to its first `bits` random bits,
+/// floor(u * 2^bits) * 2^-bits: the significand of f16 (11) or bf16 (8) holds it exactly, so
+/// rounding to the dtype cannot reach 1, as torch draws 16-bit uniforms. Exact in float.
+MB_HOST_DEVICE inline float uniform_truncated(float u, int bits) {
+  const float scale = static_cast<float>(1u << bits);
+  return std::floor(u * scale) / scale;
+}
+
 /// A uniform float in (0, 1], safe for log().
 MB_HOST_DEVICE inline float uniform_open0_from_bits(std::uint32_t x) {
   return static_cast<float>((x >> 8) + 1u) * 5.9604644775390625e-08f;

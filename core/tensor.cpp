@@ -339,7 +339,8 @@ std::pair<std::int64_t, std::int64_t> byte_span(const Tensor& t) {
   return {first * size, (last + 1) * size - 1};
 }
 
-// Whether writing a may change what reading b sees: shared storage with byte spans that meet.
+}  // namespace
+
 // Interleaved views that touch no common element count as overlapping; staging them is only slower.
 bool may_overlap(const Tensor& a, const Tensor& b) {
   if (!a.same_storage(b)) return false;
@@ -353,8 +354,6 @@ bool same_elements(const Tensor& a, const Tensor& b) {
   return a.same_storage(b) && a.offset() == b.offset() && a.dtype() == b.dtype() &&
          a.shape() == b.shape() && a.strides() == b.strides();
 }
-
-}  // namespace
 
 bool has_internal_overlap(const Tensor& t) {
   if (t.numel() == 0) return false;

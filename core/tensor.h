@@ -179,6 +179,10 @@ std::ostream& operator<<(std::ostream& os, const Tensor& t);
 /// Whether two elements of t share one memory location: a dim of size > 1 and stride 0, as expand
 /// makes (the only repetition the view ops can produce). An empty tensor has none.
 bool has_internal_overlap(const Tensor& t);
+/// Whether writing a may change what reading b sees: shared storage whose byte spans meet.
+bool may_overlap(const Tensor& a, const Tensor& b);
+/// The same elements in the same places, of the same dtype (writing one into the other is a no-op).
+bool same_elements(const Tensor& a, const Tensor& b);
 /// Refuses t as the destination of an in-place write when has_internal_overlap(t): the result
 /// would depend on the order in which its elements are written.
 void check_no_internal_overlap(const char* op, const Tensor& t);

@@ -22,6 +22,12 @@ struct PhiloxArgs {
   std::uint64_t offset = 0;  // in 128-bit Philox blocks
 };
 
+/// The random bits a uniform in `dt` keeps (core/rng.h uniform_truncated): the significand of f16
+/// (11) and bf16 (8), else the 24 that uniform_from_bits draws.
+inline int uniform_bits(DType dt) {
+  return dt == DType::f16 ? 11 : dt == DType::bf16 ? 8 : 24;
+}
+
 namespace cpu {
 /// out = op(in); out and in share a dtype.
 void unary(UnaryOp op, const StridedView& out, const StridedView& in);

@@ -21,7 +21,15 @@ struct Sqrt { template <class T> MB_HOST_DEVICE T operator()(T x) const { return
 struct Rsqrt {
   template <class T> MB_HOST_DEVICE T operator()(T x) const { return T(1) / std::sqrt(x); }
 };
-struct Abs { template <class T> MB_HOST_DEVICE T operator()(T x) const { return x < T(0) ? -x : x; } };
+struct Abs {  // -0 gives +0, as torch.abs (the sign bit is cleared, not tested)
+  template <class T> MB_HOST_DEVICE T operator()(T x) const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return std::fabs(x);
+    } else {
+      return x < T(0) ? -x : x;
+    }
+  }
+};
 struct Tanh { template <class T> MB_HOST_DEVICE T operator()(T x) const { return std::tanh(x); } };
 struct Sigmoid {
   // Stable on both sides: never exponentiates a large positive number.

@@ -373,8 +373,16 @@ void accumulate_(Tensor& dst, const Tensor& src, double weight) {
   check_floating("accumulate_", src);
   // Repeated locations would each receive every element's share, in no defined order on CUDA.
   check_no_internal_overlap("accumulate_", dst);
-  launch("accumulate_", dst.device(), [&] { kernels::cpu::accumulate(dst.kview(), src.kview(), weight); },
-         [&] { kernels::cuda::accumulate(dst.kview(), src.kview(), weight); });
+  // A source that partly overlaps dst would be read after some of it was written (a running sum
+  // on the CPU, no set order on CUDA): it is read in full first, as copy_ does. dst += w * dst
+  // itself reads each element before writing it.
+  Tensor from = src;
+  if (may_overlap(dst, src) && !same_elements(dst, src)) {
+    NoGradGuard no_grad;
+    from = src.clone();
+  }
+  launch("accumulate_", dst.device(), [&] { kernels::cpu::accumulate(dst.kview(), from.kview(), weight); },
+         [&] { kernels::cuda::accumulate(dst.kview(), from.kview(), weight); });
   dst.bump_version();
 }
 

@@ -113,6 +113,9 @@ Tensor mean(const Tensor& a, const std::vector<std::int64_t>& dims, ReduceOption
   check_floating("mean", a);
   const ReducePlan p = plan_reduce(a, dims, options.keepdim, "mean");
   MB_CHECK(p.inner > 0, "[mean] of an empty selection (shape {})", shape_str(a.shape()));
+  // A 16-bit mean is taken in f32 and rounded once: its sum, or its count (70000 is inf in f16),
+  // may pass the dtype's range where the mean does not (as torch on CUDA).
+  if (is_16bit_float(a.dtype())) return mean(a.to(DType::f32), dims, options).to(a.dtype());
   return sum(a, dims, options) / static_cast<double>(p.inner);
 }
 
@@ -170,6 +173,9 @@ Tensor var(const Tensor& a, const std::vector<std::int64_t>& dims, VarOptions op
   const std::int64_t denom = p.inner - options.correction;
   MB_CHECK(denom > 0, "[var] {} elements with correction {} leave no degrees of freedom", p.inner,
            options.correction);
+  // In f32 for 16-bit input, rounded once: the sum of squares may pass f16's range where the
+  // variance does not (as torch).
+  if (is_16bit_float(a.dtype())) return var(a.to(DType::f32), dims, options).to(a.dtype());
   Tensor centered = a - mean(a, dims, {.keepdim = true});
   return sum(centered * centered, dims, {.keepdim = options.keepdim}) / static_cast<double>(denom);
 }

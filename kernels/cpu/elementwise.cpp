@@ -320,9 +320,11 @@ void fill_indexed(const StridedView& out, F f) {
 }  // namespace
 
 void rand_uniform(const StridedView& out, PhiloxArgs philox) {
+  const int bits = uniform_bits(out.dtype);
   fill_indexed(out, [&](std::int64_t i) {
     PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 4), philox.seed);
-    return uniform_from_bits(b.v[i % 4]);
+    const float u = uniform_from_bits(b.v[i % 4]);
+    return bits < 24 ? uniform_truncated(u, bits) : u;
   });
 }
 

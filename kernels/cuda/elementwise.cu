@@ -227,10 +227,14 @@ void generate(const char* name, const StridedView& out, const G& g) {
 struct UniformGen {
   static constexpr int kPerBlock = 4;
   PhiloxArgs philox;
+  int bits;  // uniform_bits of the output dtype
   __device__ void operator()(std::int64_t block, double* values) const {
     const PhiloxBlock b =
         philox4x32(philox.offset + static_cast<std::uint64_t>(block), philox.seed);
-    for (int j = 0; j < 4; ++j) values[j] = uniform_from_bits(b.v[j]);
+    for (int j = 0; j < 4; ++j) {
+      const float u = uniform_from_bits(b.v[j]);
+      values[j] = bits < 24 ? uniform_truncated(u, bits) : u;
+    }
   }
 };
 
@@ -448,7 +452,7 @@ void fill(const StridedView& out, double value) {
 }
 
 void rand_uniform(const StridedView& out, PhiloxArgs philox) {
-  generate("rand", out, UniformGen{philox});
+  generate("rand", out, UniformGen{philox, uniform_bits(out.dtype)});
 }
 
 void rand_normal(const StridedView& out, PhiloxArgs philox) {

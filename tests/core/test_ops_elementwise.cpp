@@ -90,6 +90,27 @@ TEST_CASE("relu and abs on both sides of zero") {
   Tensor x = input({10}, -1, 1, 3);
   gradcheck("relu", [](const std::vector<Tensor>& in) { return relu(in[0]); }, {x});
   gradcheck("abs", [](const std::vector<Tensor>& in) { return abs(in[0]); }, {x});
+  // abs(-0) is +0, as torch: 1 / abs(-0) is +inf.
+  for (DType dt : kFloatDTypes) {
+    CAPTURE(dtype_name(dt));
+    const std::vector<double> r = (1.0 / abs(full({2}, -0.0, {.dtype = dt}))).to_vector();
+    CHECK(r == std::vector<double>(2, std::numeric_limits<double>::infinity()));
+  }
+}
+
+TEST_CASE("accumulate_ reads a source that partly overlaps its destination in full first") {
+  // dst = a[1:], src = a[:5]: read first, a[1:] += a[:5] gives [0, 1, 3, 5, 7, 9], not a running
+  // sum. The same view as source reads each element before writing it.
+  for (DType dt : {DType::f32, DType::f64}) {
+    CAPTURE(dtype_name(dt));
+    Tensor a = arange(0, 6, 1, {.dtype = dt});
+    Tensor d = a.slice(0, 1, 6);
+    accumulate_(d, a.slice(0, 0, 5), 1.0);
+    CHECK(a.to_vector() == std::vector<double>{0, 1, 3, 5, 7, 9});
+    Tensor b = arange(0, 4, 1, {.dtype = dt});
+    accumulate_(b, b, 1.0);
+    CHECK(b.to_vector() == std::vector<double>{0, 2, 4, 6});
+  }
 }
 
 TEST_CASE("binary ops: gradcheck with broadcasting") {

@@ -209,6 +209,22 @@ TEST_CASE("16-bit sums accumulate in wider precision") {
   check_close(sum(ones({3000}, {.dtype = DType::f16})), {3000}, 0, 0, "f16 sum");
 }
 
+TEST_CASE("16-bit mean and var are taken in f32 and rounded once") {
+  // 1000 values of 100 sum to 1e5, past f16's 65504; 70000 is inf as an f16 count; the squares of
+  // sin(0.37 i) * 100 sum past 65504. Values from torch 1.13 (var) or exact (mean).
+  check_close(mean(full({1000}, 100.0, {.dtype = DType::f16})), {100}, 0, 0, "f16 mean");
+  check_close(mean(ones({70000}, {.dtype = DType::f16})), {1}, 0, 0, "f16 mean of 70000");
+  std::vector<double> v;
+  for (int i = 0; i < 40; ++i) v.push_back(std::sin(i * 0.37) * 100);
+  const Tensor x = from_vector(v, {2, 20}, {.dtype = DType::f16});
+  const Tensor got = var(x, {1});
+  CHECK(got.dtype() == DType::f16);
+  check_close(got, {4752, 5692}, 0, 0, "f16 var");
+  const Tensor xb = x.to(DType::bf16);
+  check_close(var(xb, {1}), var(xb.to(DType::f32), {1}).to(DType::bf16).to_vector(), 0, 0,
+              "bf16 var");
+}
+
 TEST_CASE("max and argmax: a NaN wins, and the first NaN is the argmax") {
   for (DType dt : {DType::f64, DType::f32}) {
     Tensor a = from_vector({1, kNaN, 3}, {3}, {.dtype = dt});

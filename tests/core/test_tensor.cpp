@@ -1,10 +1,12 @@
 // Tensor basics: factories in every dtype, views and their shared version counter, contiguous(),
 // dtype conversions (16-bit rounding checked bit for bit), item(), printing, the random factories,
 // meta tensors, device and dtype parsing, and CUDA placement.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 #include "core/half.h"
 #include "core/rng.h"
@@ -645,6 +647,28 @@ TEST_CASE("printing shows values, shape and dtype") {
 }
 
 // ---- random factories --------------------------------------------------------------------------
+
+TEST_CASE("rand in f16 and bf16 stays below 1, on the dtype's grid, as torch") {
+  // Rounding a 24-bit uniform to nearest would give 1.0 about once in 4096 (f16) or 512 (bf16)
+  // draws; the draw keeps as many random bits as the significand holds instead.
+  GeneratorStateGuard restore;
+  manual_seed(7);
+  for (auto [dt, bits] : {std::pair{DType::f16, 11}, std::pair{DType::bf16, 8}}) {
+    CAPTURE(dtype_name(dt));
+    const std::vector<double> u = rand({1 << 20}, {.dtype = dt}).to_vector();
+    const double grid = std::ldexp(1.0, bits);
+    bool below_one = true, on_grid = true;
+    double largest = 0;
+    for (double x : u) {
+      below_one = below_one && x >= 0 && x < 1;
+      on_grid = on_grid && x * grid == std::floor(x * grid);
+      largest = std::max(largest, x);
+    }
+    CHECK(below_one);
+    CHECK(on_grid);
+    CHECK(largest == 1 - 1 / grid);  // 2^20 draws reach the top of a 2^11 grid
+  }
+}
 
 TEST_CASE("rand and randn are deterministic for a seed") {
   GeneratorStateGuard restore;
