@@ -83,7 +83,11 @@ std::string argument_type(const std::string& name, const nlohmann::json& value) 
 void add_model_flags(CLI::App& cmd, Options& o) {
   // A flag given twice takes its last value, so wrappers such as scripts/train.sh can be overridden.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  cmd.add_option("--model", o.model, "mlp, cnn, gpt (sized by the flags below) or gpt2 (GPT-2 small, 124M)")
+  // Each description names its default, read from the values set before parsing.
+  cmd.add_option("--model", o.model,
+                 fmt::format("mlp, cnn, gpt (sized by the flags below) or gpt2 (GPT-2 small, 124M) "
+                             "(default {})",
+                             o.model))
       ->check(CLI::IsMember({"mlp", "cnn", "gpt", "gpt2"}));
   // The flags only some models or datasets read (refuse_unused_flags).
   auto model_option = [&](const std::string& name, auto& value, const std::string& description) {
@@ -94,18 +98,31 @@ void add_model_flags(CLI::App& cmd, Options& o) {
                "Fashion-MNIST folder (mlp, cnn; default /usr/share/datasets/fashion-mnist) or a UTF-8 "
                "text file (gpt, gpt2; default ../shared/data/tinyshakespeare.txt)");
   cmd.add_option("--dataset", o.dataset,
-                 "file: the data --data names; synthetic: seeded uniform random tokens (gpt, gpt2), for "
-                 "speed and memory benchmarks only (there is nothing in them to learn)")
+                 fmt::format("file: the data --data names; synthetic: seeded uniform random tokens "
+                             "(gpt, gpt2), for speed and memory benchmarks only (there is nothing in "
+                             "them to learn) (default {})",
+                             o.dataset))
       ->check(CLI::IsMember({"file", "synthetic"}));
-  model_option(both_spellings("synthetic_size"), o.synthetic_size, "synthetic: number of sequences");
-  model_option(both_spellings("vocab_size"), o.vocab_size, "gpt on synthetic tokens: vocabulary size");
+  model_option(both_spellings("synthetic_size"), o.synthetic_size,
+               fmt::format("synthetic: number of sequences (default {})", o.synthetic_size));
+  model_option(both_spellings("vocab_size"), o.vocab_size,
+               fmt::format("gpt on synthetic tokens: vocabulary size (default {})", o.vocab_size));
   cmd.add_option("--config", o.config, "TrainingArguments as a JSON file");
-  o.block_size_option = model_option(both_spellings("block_size"), o.gpt.block_size,
-                                     "gpt: sequence length; gpt2: training sequence length (at most 1024)");
-  model_option(both_spellings("n_layer"), o.gpt.n_layer, "gpt: blocks");
-  model_option(both_spellings("n_head"), o.gpt.n_head, "gpt: attention heads");
-  model_option(both_spellings("n_embd"), o.gpt.n_embd, "gpt: width");
-  model_option(both_spellings("text_level"), o.text_level, "gpt, gpt2 on a text file: byte or char vocabulary")
+  const std::int64_t gpt2_positions = mb::nn::GPTConfig::gpt2_small().block_size;
+  o.block_size_option = model_option(
+      both_spellings("block_size"), o.gpt.block_size,
+      fmt::format("gpt: sequence length (default {}); gpt2: training sequence length (default and "
+                  "at most {})",
+                  o.gpt.block_size, gpt2_positions));
+  model_option(both_spellings("n_layer"), o.gpt.n_layer,
+               fmt::format("gpt: blocks (default {})", o.gpt.n_layer));
+  model_option(both_spellings("n_head"), o.gpt.n_head,
+               fmt::format("gpt: attention heads (default {})", o.gpt.n_head));
+  model_option(both_spellings("n_embd"), o.gpt.n_embd,
+               fmt::format("gpt: width (default {})", o.gpt.n_embd));
+  model_option(both_spellings("text_level"), o.text_level,
+               fmt::format("gpt, gpt2 on a text file: byte or char vocabulary (default {})",
+                           o.text_level))
       ->check(CLI::IsMember({"byte", "char"}));
   cmd.add_option("--dropout", o.dropout, "dropout probability, any model (default 0)");
   // Every TrainingArguments field is a flag of the same name.

@@ -582,8 +582,11 @@ TrainOutput Trainer::train() {
   };
   std::int64_t carried_peak = 0;  // the training peak since the last log line, kept across evaluations
   auto evaluate_now = [&] {
-    // Evaluation's own peak is logged with it; step lines keep the training windows' peaks.
-    carried_peak = std::max(carried_peak, memory_stats(device_).reserved.peak);
+    // Evaluation's own peak is logged with it; step lines keep the training windows' peaks. Right
+    // after a log line no window has run since its reset, and the peak then is only what is
+    // reserved now, which the empty_cache below hands back: nothing of the next line's windows.
+    if (step > logged_step)
+      carried_peak = std::max(carried_peak, memory_stats(device_).reserved.peak);
     reset_peak_memory_stats(device_);
     Metrics m = run_evaluation(*eval_set_, nullptr);
     nlohmann::json line{{"event", "eval"}, {"step", step},

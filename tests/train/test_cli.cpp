@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "nn/models.h"
 #include "tests/core/harness.h"
 #include "train/fashion_mnist.h"
 #include "train/training_args.h"
@@ -307,6 +308,18 @@ TEST_CASE("the command: --help gives every TrainingArguments flag's default and 
     CHECK(r.output.find("--max-steps,--max_steps INT") != std::string::npos);
     CHECK(r.output.find("--dropout FLOAT") != std::string::npos);
     CHECK(r.output.find("dropout probability") != std::string::npos);
+    // The model and data flags name their defaults too (GPTConfig's for gpt).
+    const nn::GPTConfig gpt{};
+    for (const std::string& shown :
+         {std::string("(default mlp)"), std::string("(default file)"),
+          std::string("(default char)"), fmt::format("gpt: blocks (default {})", gpt.n_layer),
+          fmt::format("gpt: attention heads (default {})", gpt.n_head),
+          fmt::format("gpt: width (default {})", gpt.n_embd),
+          fmt::format("gpt: sequence length (default {})", gpt.block_size),
+          fmt::format("(default and at most {})", nn::GPTConfig::gpt2_small().block_size)}) {
+      CAPTURE(shown);
+      CHECK(r.output.find(shown) != std::string::npos);
+    }
   }
   const CommandResult r = run_command("check-accumulation --help", out);
   INFO(r.output);

@@ -671,6 +671,33 @@ TEST_CASE("Trainer under a memory budget: the epoch's shorter last batch is in t
   CHECK(*std::max_element(even_peaks.begin(), even_peaks.end()) == even_predicted);
 }
 
+TEST_CASE("Trainer: an evaluation right after a log line adds nothing to the next line's peak") {
+  // 70 samples in windows of 32 end the epoch on a window of 6 (step 3), whose blocks sit in the
+  // cache beside the full windows' until the evaluation at step 4 hands them back. Step 5 then
+  // runs a full window from an empty cache, as step 1 did, and its line must show step 1's peak,
+  // not what was reserved when the evaluation began (logged with step 4 already).
+  manual_seed(4);
+  TensorDataset train_set = synthetic_images(70, 5);
+  TensorDataset eval_set = synthetic_images(16, 6);
+  TempDir dir;
+  TrainingArguments args{.per_device_train_batch_size = 32, .max_steps = 5, .learning_rate = 1e-3,
+                         .logging_steps = 1, .eval_strategy = "steps", .eval_steps = 4};
+  args.output_dir = dir.path.string();
+  args.use_cpu = true;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), args, train_set, &eval_set);
+  trainer.set_log_stream(&sink);
+  trainer.train();
+  std::vector<std::int64_t> peaks;
+  for (auto& l : read_log(dir.path))
+    if (!l.contains("event")) peaks.push_back(l["measured_peak"].get<std::int64_t>());
+  REQUIRE(peaks.size() == 5u);
+  INFO("peaks " << peaks[0] << " " << peaks[2] << " " << peaks[3] << " " << peaks[4]);
+  CHECK(peaks[2] > peaks[0]);  // the epoch's end holds both windows' blocks
+  CHECK(peaks[3] == peaks[2]);  // still cached at step 4
+  CHECK(peaks[4] == peaks[0]);
+}
+
 TEST_CASE("Trainer: evaluation's predictions are held outside the budget that training fits") {
   // Note [Predictions outside the budget]: the logits and labels of 4000 evaluation images (190 KB,
   // and their concatenation as much again) do not fit beside the training's memory under a budget
