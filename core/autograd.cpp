@@ -67,7 +67,9 @@ Node::Node(std::string name, std::vector<Edge> next_edges, BackwardFn fn, int nu
 std::vector<InputMeta> input_meta(const std::vector<Tensor>& inputs) {
   std::vector<InputMeta> meta(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
-    if (inputs[i].defined()) meta[i] = {inputs[i].shape(), inputs[i].device()};
+    // Only an input that takes a gradient is checked (it has an edge): no copy for the others.
+    if (inputs[i].defined() && inputs[i].requires_grad())
+      meta[i] = {inputs[i].shape(), inputs[i].device()};
   }
   return meta;
 }

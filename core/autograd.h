@@ -37,7 +37,7 @@ struct InputMeta {
   Shape shape;
   Device device = kCPU;
 };
-/// The InputMeta of each input (an undefined input gets an empty one, never checked).
+/// The InputMeta of each input (one that takes no gradient gets an empty one, never checked).
 std::vector<InputMeta> input_meta(const std::vector<Tensor>& inputs);
 
 // Note [Checking returned gradients]: as torch's engine (validate_outputs), a node's backward

@@ -88,7 +88,7 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
   collect("", false, slots, seen);
   // Under a store with f32 masters the working copy alone would be rewritten from stale masters
   // by the next step: the store takes the value (Note [Parameters owned by a store]).
-  const std::shared_ptr<ParameterOwner> owner = owner_.lock();
+  const std::vector<std::shared_ptr<ParameterOwner>> owners = live_owners();
   std::size_t used = 0;
   for (auto& [name, slot] : slots) {
     auto it = state.find(name);
@@ -103,8 +103,10 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
     MB_CHECK(it->second.shape() == slot->shape(), "[load_state_dict] '{}' has shape {}, the model expects {}",
              name, shape_str(it->second.shape()), shape_str(slot->shape()));
     NoGradGuard no_grad;
-    if (owner && owner->load_parameter(*slot, it->second)) continue;
-    slot->copy_(it->second);
+    const bool owned = std::any_of(owners.begin(), owners.end(), [&](const auto& owner) {
+      return owner->load_parameter(*slot, it->second);
+    });
+    if (!owned) slot->copy_(it->second);
   }
   if (mode == LoadMode::Strict && used != state.size()) {
     for (auto& [name, t] : state) {
@@ -158,13 +160,32 @@ void Module::all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>
   for (auto& [name, child] : children_) child->all_slots(params, out);
 }
 
+std::vector<std::shared_ptr<ParameterOwner>> Module::live_owners() const {
+  std::vector<std::shared_ptr<ParameterOwner>> out;
+  if (auto owner = owner_.lock()) out.push_back(std::move(owner));
+  for (const auto& [name, child] : children_) {
+    for (auto& owner : child->live_owners())
+      if (std::find(out.begin(), out.end(), owner) == out.end()) out.push_back(std::move(owner));
+  }
+  return out;
+}
+
+namespace {
+bool owned_by(const std::vector<std::shared_ptr<ParameterOwner>>& owners, const Tensor& param) {
+  return std::any_of(owners.begin(), owners.end(),
+                     [&](const auto& owner) { return owner->owns(param); });
+}
+}  // namespace
+
 void Module::check_movable(Device device, std::optional<DType> dtype) {
-  if (owner_.expired()) return;
-  std::vector<std::pair<std::string, Tensor*>> slots;
-  all_slots(true, slots);
+  const auto owners = live_owners();  // a store built on this module or on one inside it
+  if (owners.empty()) return;
+  std::vector<std::pair<std::string, Tensor*>> slots;  // by dotted name
+  std::vector<const Tensor*> seen;
+  collect("", true, slots, seen);
   for (auto& [name, slot] : slots) {
     const DType dt = dtype && is_floating(slot->dtype()) ? *dtype : slot->dtype();
-    MB_CHECK(slot->device() == device && slot->dtype() == dt,
+    MB_CHECK(!owned_by(owners, *slot) || (slot->device() == device && slot->dtype() == dt),
              "[Module::to] parameter '{}' ({} on {}) belongs to a ParamStore, which would keep "
              "updating its old copy: move or cast the model before building its ParamStore and "
              "optimizer (asked for {} on {})",
@@ -193,13 +214,16 @@ void Module::to(DType dtype) {
 }
 
 void Module::zero_grad(GradReset reset) {
-  MB_CHECK(reset == GradReset::Zero || owner_.expired(),
-           "[Module::zero_grad] the gradients are views of a ParamStore's arena: SetToNone would "
-           "cut them off and the optimizer would step on zeros (use GradReset::Zero, or the "
-           "optimizer's zero_grad())");
+  const auto owners = reset == GradReset::SetToNone ? live_owners()
+                                                     : std::vector<std::shared_ptr<ParameterOwner>>{};
   NoGradGuard no_grad;
   for (auto& [n, t] : named_parameters()) {
     if (!t.grad().defined()) continue;
+    MB_CHECK(reset == GradReset::Zero || !owned_by(owners, t),
+             "[Module::zero_grad] the gradient of '{}' is a view of a ParamStore's arena: SetToNone "
+             "would cut it off and the optimizer would step on zeros (use GradReset::Zero, or the "
+             "optimizer's zero_grad())",
+             n);
     if (reset == GradReset::SetToNone) {
       t.set_grad({});
     } else {

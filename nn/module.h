@@ -47,6 +47,8 @@ enum class GradReset { Zero, SetToNone };
 class ParameterOwner {
  public:
   virtual ~ParameterOwner() = default;
+  /// Whether `param` is one of the owner's.
+  virtual bool owns(const Tensor& param) const = 0;
   /// Writes `value` into the owned parameter `param` at the owner's full precision (its master
   /// copy) and refreshes the copy the model reads. False when `param` is not one of the owner's.
   virtual bool load_parameter(const Tensor& param, const Tensor& value) = 0;
@@ -86,10 +88,11 @@ class Module {
   void zero_grad(GradReset reset = GradReset::Zero);
 
   /// Records (for this module and every child) who owns the parameters' storage, which then
-  /// guards to(), zero_grad() and load_state_dict(). Held weakly: it lapses with its owner.
+  /// guards to(), zero_grad() and load_state_dict() of this module and of any module above it.
+  /// Held weakly: it lapses with its owner.
   void set_parameter_owner(const std::weak_ptr<ParameterOwner>& owner);
-  /// Whether a live ParameterOwner holds this module's parameters.
-  bool has_parameter_owner() const { return !owner_.expired(); }
+  /// Whether a live ParameterOwner holds parameters of this module or of a module inside it.
+  bool has_parameter_owner() const { return !live_owners().empty(); }
 
  protected:
   /// Registers a member tensor as a parameter (requires grad).
@@ -106,6 +109,8 @@ class Module {
   NamedTensors named(bool params) const;
   // Refuses a move that would change a parameter a live ParameterOwner holds.
   void check_movable(Device device, std::optional<DType> dtype);
+  // The distinct live owners of this module's and its children's parameters.
+  std::vector<std::shared_ptr<ParameterOwner>> live_owners() const;
   // Every slot of this module and its children, tied ones included (for moves).
   void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
   void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,

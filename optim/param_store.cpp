@@ -24,6 +24,7 @@ bool decays(DecayRule rule, const Tensor& t) {
 class ParamStore::Owner final : public nn::ParameterOwner {
  public:
   explicit Owner(ParamStore& store) : store_(store) {}
+  bool owns(const Tensor& param) const override { return store_.entry_of(param) != nullptr; }
   bool load_parameter(const Tensor& param, const Tensor& value) override {
     return store_.load_parameter(param, value);
   }
@@ -33,6 +34,11 @@ class ParamStore::Owner final : public nn::ParameterOwner {
 };
 
 ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) {
+  // A second store would copy the weights out of the first's arena, and the first (with its
+  // optimizer) would go on updating a copy that nothing reads.
+  MB_CHECK(!model.has_parameter_owner(),
+           "[ParamStore] the model's parameters already belong to a live ParamStore; build one "
+           "store per model, on the whole model");
   auto slots = model.parameter_slots();
   MB_CHECK(!slots.empty(), "[ParamStore] the model has no parameters");
   const Device device = slots[0].second->device();
@@ -133,6 +139,9 @@ const ParamStore::Entry* ParamStore::entry_of(const Tensor& param) const {
 bool ParamStore::load_parameter(const Tensor& param, const Tensor& value) {
   const Entry* e = entry_of(param);
   if (e == nullptr) return false;
+  // The working copy itself (model.load_state_dict(model.state_dict())): the master, not its
+  // rounding, is the value, so there is nothing to load.
+  if (same_elements(value, weight_of(*e))) return true;
   MB_CHECK(value.shape() == e->shape, "[ParamStore] '{}' has shape {}, expected {}", e->name,
            shape_str(value.shape()), shape_str(e->shape));
   NoGradGuard no_grad;

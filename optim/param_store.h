@@ -25,9 +25,11 @@
 // module in the tree, held weakly, so neither has to outlive the other: the link dies with
 // the store, after which the module is free again (its tensors keep the arena storage alive), and
 // the store never touches the module after construction, so a module destroyed first is harmless.
-// While the link lives, Module::to refuses to move or cast a parameter, zero_grad refuses
-// SetToNone, and load_state_dict hands each parameter's value to load_parameter(), which writes
-// the master at full precision and refreshes the working copy from it.
+// While the link lives, Module::to refuses to move or cast a parameter the store owns, zero_grad
+// refuses SetToNone for one, and load_state_dict hands each parameter's value to
+// load_parameter(), which writes the master at full precision and refreshes the working copy from
+// it (a value that is the working copy itself changes nothing). These guards hold when called on
+// the store's module or on any module above it, and a second store on an owned tree is refused.
 #pragma once
 
 #include <map>

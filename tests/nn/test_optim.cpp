@@ -316,7 +316,8 @@ TEST_CASE("Module::zero_grad zeroes in place, so gradients stay in the store's a
     lin.zero_grad();
     check_close(store.grads(), {0, 0}, 0, 0, "zeroed in place");
     check_throws_with([&] { lin.zero_grad(nn::GradReset::SetToNone); },
-                      "[Module::zero_grad] the gradients are views of a ParamStore's arena");
+                      "[Module::zero_grad] the gradient of 'weight' is a view of a ParamStore's "
+                      "arena");
     CHECK(lin.weight.grad().same_storage(store.grads()));
   }
   // Without a store, SetToNone drops the gradient as torch's set_to_none=True.
@@ -370,4 +371,50 @@ TEST_CASE("Module::load_state_dict under f32 masters loads the masters, unrounde
   check_close(lin.weight, {1.0, -2.0}, 0, 0, "working copy");
   opt.step();
   check_close(store.master_state().at("weight"), {1.0 + 1.0 / 1024, -2.0}, 0, 0, "master kept");
+}
+
+namespace {
+// A store may be built on a child: the guards hold from the parent too.
+class Parent : public nn::Module {
+ public:
+  Parent() {
+    child = register_module("child", std::make_shared<nn::Linear>(2, 1, nn::LinearOptions{.bias = false}));
+    own = full({2}, 0.5);
+    register_parameter("own", &own);
+  }
+  std::shared_ptr<nn::Linear> child;
+  Tensor own;
+};
+}  // namespace
+
+TEST_CASE("a ParamStore on a child is guarded from the parent, and one model takes one store") {
+  Parent parent;
+  optim::ParamStore store(*parent.child, {.compute_dtype = DType::bf16});
+  optim::SGD opt(store, {.lr = 0.0});
+  CHECK(parent.has_parameter_owner());
+  // The parent's to() would move the child's weight out of the arena; its own parameter alone
+  // is not the store's, but the move is of the whole tree.
+  check_throws_with([&] { parent.to(DType::f64); }, "parameter 'child.weight'");
+  CHECK(parent.child->weight.same_storage(store.weights()));
+  // load_state_dict from the parent loads the child's master, unrounded, and the parent's own.
+  nn::StateDict sd;
+  sd["child.weight"] = from_vector({1.0 + 1.0 / 1024, -2.0}, {1, 2});
+  sd["own"] = full({2}, 3.0);
+  parent.load_state_dict(sd);
+  check_close(store.master_state().at("weight"), {1.0 + 1.0 / 1024, -2.0}, 0, 0, "master");
+  check_close(parent.own, {3.0, 3.0}, 0, 0, "the parent's own parameter");
+  sum(parent.child->forward(ones({1, 2}, {.dtype = DType::bf16}))).backward();
+  check_throws_with([&] { parent.zero_grad(nn::GradReset::SetToNone); },
+                    "the gradient of 'child.weight' is a view of a ParamStore's arena");
+  opt.step();
+  check_close(parent.child->weight, {1.0, -2.0}, 0, 0, "working copy after a step");
+  // The state_dict's own working copies loaded back leave the masters as they were.
+  parent.load_state_dict(parent.state_dict());
+  check_close(store.master_state().at("weight"), {1.0 + 1.0 / 1024, -2.0}, 0, 0,
+              "master after a round trip");
+  // A second store, on the child or on the parent, is refused.
+  check_throws_with([&] { optim::ParamStore again(*parent.child); },
+                    "[ParamStore] the model's parameters already belong to a live ParamStore");
+  check_throws_with([&] { optim::ParamStore again(parent); },
+                    "[ParamStore] the model's parameters already belong to a live ParamStore");
 }
