@@ -1,5 +1,8 @@
 #include "optim/optimizer.h"
 
+#include <cstring>
+#include <sstream>
+
 #include "core/ops/dispatch.h"
 #include "kernels/optim.h"
 
@@ -8,6 +11,48 @@ namespace microbatch::optim {
 namespace {
 DType state_dtype(const ParamStore& store) {
   return store.master().dtype() == DType::f64 ? DType::f64 : DType::f32;
+}
+
+// The store's layout as bytes, saved beside the flat moment arenas (ParamStore::layout).
+Tensor layout_tensor(const ParamStore& store) {
+  const std::string text = store.layout();
+  Tensor t = empty({static_cast<std::int64_t>(text.size())}, {.dtype = DType::u8});
+  if (!text.empty()) std::memcpy(t.raw_data(), text.data(), text.size());
+  return t;
+}
+
+// A flat state is meaningful only in the layout it was saved in: with another set of frozen
+// parameters or decay groups of the same total size, each moment would land on another
+// parameter. States saved without a layout are taken as they are.
+void check_layout(const std::map<std::string, Tensor>& state, const ParamStore& store,
+                  const char* op) {
+  auto it = state.find("layout");
+  if (it == state.end()) return;
+  MB_CHECK(it->second.dtype() == DType::u8 && it->second.dim() == 1 && it->second.device().is_cpu(),
+           "[{}] state 'layout' must be a 1-d u8 CPU tensor, got {} {}", op,
+           dtype_name(it->second.dtype()), shape_str(it->second.shape()));
+  const Tensor bytes = it->second.contiguous();
+  const std::string saved(static_cast<const char*>(bytes.raw_data()),
+                          static_cast<std::size_t>(bytes.numel()));
+  const std::string now = store.layout();
+  if (saved == now) return;
+  // Name the first entry that differs.
+  std::istringstream a(saved), b(now);
+  std::string was, is;
+  while (std::getline(a, was) && std::getline(b, is) && was == is) {
+  }
+  MB_CHECK(false,
+           "[{}] the state was saved for another parameter layout (which parameters are frozen, "
+           "or decay, differs): saved '{}', now '{}'; its moments would land on other parameters",
+           op, was, is);
+}
+
+// As torch's "optimizer got an empty parameter list": a model whose every parameter is frozen
+// has nothing to optimize.
+void check_trainable(const ParamStore& store, const char* op) {
+  MB_CHECK(store.trainable_numel() > 0,
+           "[{}] every parameter of the model is frozen (none requires grad): nothing to optimize",
+           op);
 }
 
 Tensor state_tensor(const std::map<std::string, Tensor>& state, const std::string& name, const Tensor& like,
@@ -35,6 +80,7 @@ std::int64_t saved_count(const std::map<std::string, Tensor>& state, const char*
 }
 
 AdamW::AdamW(ParamStore& store, AdamWConfig config) : Optimizer(store), config_(config) {
+  check_trainable(store, "AdamW");
   MB_CHECK(config.lr >= 0, "[AdamW] lr must be >= 0, got {}", config.lr);
   MB_CHECK(config.beta1 >= 0 && config.beta1 < 1 && config.beta2 >= 0 && config.beta2 < 1,
            "[AdamW] betas must be in [0, 1), got ({}, {})", config.beta1, config.beta2);
@@ -67,6 +113,7 @@ bool apply_gate_on_host(const kernels::DeviceGate& gate, double* grad_scale) {
 }  // namespace
 
 void AdamW::run(kernels::AdamWArgs args, const kernels::DeviceGate& gate) {
+  store_.check_frozen("AdamW");
   const Tensor master = updated(store_.master(), store_);
   launch("AdamW", master.device(),
          [&] {
@@ -107,17 +154,20 @@ void AdamW::step_gated(const kernels::DeviceGate& gate) {
 std::map<std::string, Tensor> AdamW::state_dict() const {
   return {{"exp_avg", exp_avg_},
           {"exp_avg_sq", exp_avg_sq_},
-          {"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})}};
+          {"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})},
+          {"layout", layout_tensor(store_)}};
 }
 
 void AdamW::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
+  check_layout(state, store_, "AdamW");
   exp_avg_.copy_(state_tensor(state, "exp_avg", exp_avg_, "AdamW"));
   exp_avg_sq_.copy_(state_tensor(state, "exp_avg_sq", exp_avg_sq_, "AdamW"));
   step_count_ = saved_count(state, "step", "AdamW");
 }
 
 SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config) {
+  check_trainable(store, "SGD");
   MB_CHECK(config.lr >= 0, "[SGD] lr must be >= 0, got {}", config.lr);
   MB_CHECK(config.momentum >= 0, "[SGD] momentum must be >= 0, got {}", config.momentum);
   MB_CHECK(config.weight_decay >= 0, "[SGD] weight_decay must be >= 0, got {}",
@@ -131,6 +181,7 @@ SGD::SGD(ParamStore& store, SGDConfig config) : Optimizer(store), config_(config
 }
 
 void SGD::run(double grad_scale, const kernels::DeviceGate& gate) {
+  store_.check_frozen("SGD");
   kernels::SGDArgs args{.lr = config_.lr,
                         .momentum = config_.momentum,
                         .dampening = config_.dampening,
@@ -165,13 +216,16 @@ void SGD::step_gated(const kernels::DeviceGate& gate) {
 }
 
 std::map<std::string, Tensor> SGD::state_dict() const {
-  std::map<std::string, Tensor> out{{"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})}};
+  std::map<std::string, Tensor> out{
+      {"step", scalar_tensor(static_cast<double>(step_count_), {.dtype = DType::i64})},
+      {"layout", layout_tensor(store_)}};
   if (momentum_buffer_.defined()) out["momentum_buffer"] = momentum_buffer_;
   return out;
 }
 
 void SGD::load_state_dict(const std::map<std::string, Tensor>& state) {
   NoGradGuard no_grad;
+  check_layout(state, store_, "SGD");
   if (momentum_buffer_.defined())
     momentum_buffer_.copy_(state_tensor(state, "momentum_buffer", momentum_buffer_, "SGD"));
   step_count_ = saved_count(state, "step", "SGD");

@@ -91,6 +91,8 @@ ParamStore::ParamStore(nn::Module& model, ParamStoreOptions options) {
     if (!e.frozen) {
       param.requires_grad_(true);
       param.set_grad(grad_of(e));
+    } else {
+      frozen_.emplace_back(e.name, param);
     }
     *slot = param;
   }
@@ -125,6 +127,25 @@ void ParamStore::load_master_state(const std::map<std::string, Tensor>& state) {
     master_of(e).copy_(it->second);
   }
   if (master_.defined()) weights_.copy_(master_);
+}
+
+std::string ParamStore::layout() const {
+  std::string out;
+  for (const Entry& e : entries_) {
+    out += fmt::format("{} {} {} {}\n", e.name, e.offset, e.numel,
+                       e.frozen ? "frozen" : e.decay ? "decay" : "no_decay");
+  }
+  return out;
+}
+
+void ParamStore::check_frozen(const char* op) const {
+  for (const auto& [name, param] : frozen_) {
+    MB_CHECK(!param.requires_grad(),
+             "[{}] '{}' was frozen when its ParamStore was built and now requires grad: the store "
+             "has no gradient slot for it and would never update it; build a new ParamStore and "
+             "optimizer after changing which parameters are frozen",
+             op, name);
+  }
 }
 
 const ParamStore::Entry* ParamStore::entry_of(const Tensor& param) const {

@@ -17,7 +17,9 @@
 // checkpoints keep them unrounded), but the gradient arena and the optimizer's moments stop at
 // trainable_numel(). Every pass (zero_grad, the norm, the non-finite check, clipping, AdamW, SGD
 // and their decay) runs over [0, trainable_numel()) and so never reads or writes a frozen weight,
-// with no per-element test in any kernel. A frozen parameter gets no .grad.
+// with no per-element test in any kernel. A frozen parameter gets no .grad. Unfreezing one later
+// is refused at the next optimizer step (check_frozen): it needs a new store and optimizer, as it
+// needs a new optimizer in torch.
 //
 // Note [Parameters owned by a store]: the model's parameters are views of the store's arenas and
 // their .grad views of its gradient arena, which the module must not swap out from under it. The
@@ -36,6 +38,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nn/module.h"
@@ -110,6 +113,12 @@ class ParamStore {
   std::map<std::string, Tensor> master_state() const;
   /// Copies master weights in by name and refreshes the working copy from them.
   void load_master_state(const std::map<std::string, Tensor>& state);
+  /// The arena's layout, a line per entry ("name offset numel decay|no_decay|frozen"): optimizer
+  /// states are flat arenas in this order, and are loaded only into the same layout.
+  std::string layout() const;
+  /// Refuses a parameter frozen when the store was built that now requires grad: the store has no
+  /// gradient slot for it, and no optimizer would ever update it (Note [Frozen parameters]).
+  void check_frozen(const char* op) const;
   /// Loads one value into the entry whose working weights `param` is (a view the store made):
   /// into the master unrounded, then the working copy from it. False when `param` is not one.
   bool load_parameter(const Tensor& param, const Tensor& value);
@@ -126,6 +135,7 @@ class ParamStore {
   Tensor weights_;
   Tensor master_;  // f32, only with a 16-bit compute dtype
   Tensor grads_;   // (trainable_numel)
+  std::vector<std::pair<std::string, Tensor>> frozen_;  // the frozen parameters the model holds
   std::int64_t decay_numel_ = 0;
   std::vector<Entry> entries_;
 };

@@ -418,3 +418,78 @@ TEST_CASE("a ParamStore on a child is guarded from the parent, and one model tak
   check_throws_with([&] { optim::ParamStore again(parent); },
                     "[ParamStore] the model's parameters already belong to a live ParamStore");
 }
+
+namespace {
+// Two layers of one shape: freezing one or the other leaves the same trainable size.
+class TwoLayers : public nn::Module {
+ public:
+  TwoLayers() {
+    a = register_module("a", std::make_shared<nn::Linear>(3, 3, nn::LinearOptions{.bias = false}));
+    b = register_module("b", std::make_shared<nn::Linear>(3, 3, nn::LinearOptions{.bias = false}));
+  }
+  Tensor forward(const Tensor& x) { return b->forward(a->forward(x)); }
+  std::shared_ptr<nn::Linear> a, b;
+};
+}  // namespace
+
+TEST_CASE("an optimizer state loads only into the parameter layout it was saved in") {
+  // Frozen a, then frozen b: the moment arenas have one size, and a's moments would become b's.
+  TwoLayers first;
+  first.a->weight.requires_grad_(false);
+  optim::ParamStore first_store(first);
+  optim::AdamW first_opt(first_store);
+  sum(first.forward(ones({1, 3}))).backward();
+  first_opt.step();
+  const auto saved = first_opt.state_dict();
+  CHECK(saved.at("exp_avg").numel() == 9);
+
+  TwoLayers second;
+  second.b->weight.requires_grad_(false);
+  optim::ParamStore second_store(second);
+  optim::AdamW second_opt(second_store);
+  check_throws_with([&] { second_opt.load_state_dict(saved); },
+                    "[AdamW] the state was saved for another parameter layout (which parameters "
+                    "are frozen, or decay, differs): saved 'b.weight 0 9 decay', now 'a.weight 0 9 "
+                    "decay'");
+  // The same layout loads, and a state saved without a layout is taken as it is.
+  TwoLayers same;
+  same.a->weight.requires_grad_(false);
+  optim::ParamStore same_store(same);
+  optim::AdamW same_opt(same_store);
+  same_opt.load_state_dict(saved);
+  CHECK(same_opt.step_count() == 1);
+  auto without = saved;
+  without.erase("layout");
+  second_opt.load_state_dict(without);
+  // SGD's momentum is checked the same way.
+  optim::SGD first_sgd(first_store, {.lr = 0.1, .momentum = 0.9});
+  optim::SGD second_sgd(second_store, {.lr = 0.1, .momentum = 0.9});
+  check_throws_with([&] { second_sgd.load_state_dict(first_sgd.state_dict()); },
+                    "[SGD] the state was saved for another parameter layout");
+}
+
+TEST_CASE("unfreezing a parameter after its store was built is refused at the next step") {
+  TwoLayers m;
+  m.a->weight.requires_grad_(false);
+  optim::ParamStore store(m);
+  optim::AdamW opt(store);
+  sum(m.forward(ones({1, 3}))).backward();
+  opt.step();
+  m.a->weight.requires_grad_(true);  // torch would need a new optimizer too
+  sum(m.forward(ones({1, 3}))).backward();
+  check_throws_with([&] { opt.step(); },
+                    "[AdamW] 'a.weight' was frozen when its ParamStore was built and now requires "
+                    "grad");
+}
+
+TEST_CASE("an optimizer over a model whose every parameter is frozen is refused") {
+  TwoLayers m;
+  m.a->weight.requires_grad_(false);
+  m.b->weight.requires_grad_(false);
+  optim::ParamStore store(m);
+  CHECK(store.trainable_numel() == 0);
+  check_throws_with([&] { optim::AdamW opt(store); },
+                    "[AdamW] every parameter of the model is frozen (none requires grad): nothing "
+                    "to optimize");
+  check_throws_with([&] { optim::SGD opt(store); }, "[SGD] every parameter of the model is frozen");
+}
