@@ -139,6 +139,15 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options) {
   return batch;
 }
 
+LongestExample longest_example(const Dataset& data) {
+  LongestExample longest;
+  for (std::int64_t i = 0; i < data.size(); ++i) {
+    const std::int64_t length = data.get(i).input.numel();
+    if (i == 0 || length > longest.length) longest = {.index = i, .length = length};
+  }
+  return longest;
+}
+
 std::string label_fingerprint(const Dataset& data) {
   std::uint32_t crc = 0;
   auto mix = [&](const void* p, std::size_t n) {

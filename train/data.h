@@ -89,6 +89,15 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options = {})
 /// poisoned sample resumes once that sample is cleaned.
 std::string label_fingerprint(const Dataset& data);
 
+/// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
+/// length: what a plan for variable-length sequences is measured on (Note [Token-budget
+/// micro-batches] in train/trainer.cpp). Reads every example once.
+struct LongestExample {
+  std::int64_t index = 0;
+  std::int64_t length = 0;
+};
+LongestExample longest_example(const Dataset& data);
+
 /// The sample order of one epoch: 0..n-1 shuffled by a Fisher–Yates pass driven by a
 /// std::mt19937_64 seeded from (seed, epoch) alone, so it never touches the global generator and
 /// is the same on every platform (the bounded draws are our own, not std::uniform_int_distribution).

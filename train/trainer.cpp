@@ -107,6 +107,10 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   config.adamw = {.lr = args.learning_rate, .beta1 = args.adam_beta1, .beta2 = args.adam_beta2,
                   .eps = args.adam_epsilon, .weight_decay = args.weight_decay};
   config.device = device;
+  // Token sequences of different lengths are planned at the longest (Note [Token-budget
+  // micro-batches]): a row shorter than it is measured as that longest example.
+  const bool token_labels = train_set.get(0).label.dim() > 0;
+  const LongestExample longest = token_labels ? longest_example(train_set) : LongestExample{};
   // Measuring builds models: keep the random stream the training run will see untouched.
   const GeneratorState rng = default_generator().state();
   MemoryPlanner planner(
@@ -117,7 +121,11 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
       },
       [&](std::int64_t n) {
         std::vector<Example> examples;
-        for (std::int64_t i = 0; i < n; ++i) examples.push_back(train_set.get(i % train_set.size()));
+        for (std::int64_t i = 0; i < n; ++i) {
+          Example e = train_set.get(i % train_set.size());
+          if (token_labels && e.input.numel() < longest.length) e = train_set.get(longest.index);
+          examples.push_back(std::move(e));
+        }
         // On a GPU the batch is collated on the host: its one copy to the device is what counts,
         // and the planner makes that copy on meta.
         if (!device.is_cpu()) return collate(examples);
@@ -263,10 +271,15 @@ std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::i
 }
 
 // Note [Token-budget micro-batches]: with variable-length sequences a micro-batch's memory follows
-// its padded tokens (rows x longest row), not its row count. The plan was measured on the first
-// examples, padded to their longest, so micro x that length is the token count known to fit; each
-// window is packed greedily, in order, into micro-batches that stay within it (a sequence longer
-// than the whole budget gets a micro-batch of its own, and the out-of-memory path still guards it).
+// its padded tokens (rows x longest row), not its row count. The plan is measured with every row
+// as long as the training set's longest sequence (T_max), so that a micro-batch of any of its
+// sequences, one sample alone included, is within what was measured; micro x T_max is the token
+// count known to fit. Each window is packed greedily, in order, into micro-batches that stay
+// within it. Packing by tokens keeps attention's T^2 scores within the plan too: rows x T <=
+// micro x T_max with T <= T_max gives rows x T^2 <= micro x T_max^2. What the plan cannot see is
+// the allocator's cache across windows of different shapes (blocks cached for one length do not
+// serve another), so on such data the measured peak may pass the prediction; the budget still
+// holds, as the allocator hands its cache back before it refuses a request.
 std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const std::vector<std::int64_t>& lengths,
                                std::int64_t token_budget) {
   std::vector<Chunk> chunks;
@@ -622,10 +635,7 @@ TrainOutput Trainer::train() {
   const bool token_labels = train_set_.get(0).label.dim() > 0;
   std::int64_t token_budget = 0;  // Note [Token-budget micro-batches]
   if (token_labels && args_.memory_budget > 0 && args_.pack_by_tokens) {
-    std::int64_t sample_length = 0;
-    for (std::int64_t i = 0; i < std::min(plan_.micro_batch_size, train_set_.size()); ++i)
-      sample_length = std::max(sample_length, train_set_.get(i).input.numel());
-    token_budget = plan_.micro_batch_size * sample_length;
+    token_budget = plan_.micro_batch_size * longest_example(train_set_).length;
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t eval_every = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;

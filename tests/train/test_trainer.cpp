@@ -776,46 +776,54 @@ TEST_CASE("a budget too small for one sample fails at once, saying how much is n
 }
 
 TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weights as without the limit") {
-  // 48 short sequences and two long ones near the end: the planner samples the first examples, so
-  // its plan does not know them; a window that holds one pads every row to 16 tokens.
+  // 48 short sequences and two long ones near the end, in micro-batches of 8 by count. After the
+  // first step the CPU's budget drops to what a window of 8 short sequences needs, as when
+  // something else takes memory mid-run (another process on a GPU): a window holding a long
+  // sequence pads every row to 16 tokens and no longer fits, and is split and re-run.
   std::vector<std::int64_t> lengths(48, 4);
   lengths[40] = 16;
   lengths[45] = 16;
   Sequences data(lengths, 11);
+  std::vector<std::int64_t> short_lengths(8, 4);
+  Sequences short_data(short_lengths, 11);
   nn::GPTConfig cfg{.vocab_size = 11, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
   ModelInit init = [cfg] {
     auto m = std::make_unique<nn::GPT>(cfg);
     m->to(DType::f64);
     return m;
   };
-  // The budget whose plan just takes a whole window of 8 short sequences in one micro-batch.
-  const std::int64_t budget = budget_for_window(init, data, 8);
-  auto run = [&](TrainingArguments args, TrainOutput* out, MemoryPlan* plan) {
+  const std::int64_t budget = budget_for_window(init, short_data, 8);
+  struct ClearBudget {
+    ~ClearBudget() { clear_memory_budget(kCPU); }
+  };
+  auto run = [&](bool limit, TrainOutput* out) {
     TempDir dir;
+    TrainingArguments args{.per_device_train_batch_size = 8, .num_train_epochs = 2,
+                           .learning_rate = 1e-3, .logging_steps = 1};
     args.output_dir = dir.path.string();
-    args.use_cpu = true;  // the budget and the byte-exact peaks follow the CPU allocator's rules
+    args.use_cpu = true;  // the budget follows the CPU allocator's rules
     std::ostringstream sink;
+    ClearBudget clear;
+    empty_cache(kCPU);  // blocks cached by earlier tests are not this run's baseline
+    const std::int64_t baseline = memory_stats(kCPU).reserved.current;
     Trainer trainer(init, args, data);
     trainer.set_log_stream(&sink);
+    if (limit) {
+      trainer.set_step_callback([&](std::int64_t step) {
+        if (step == 1) set_memory_budget(kCPU, static_cast<std::size_t>(baseline + budget));
+      });
+    }
     *out = trainer.train();
-    if (plan) *plan = trainer.plan();
     std::vector<Tensor> w;
     for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
     return w;
   };
   TrainOutput limited_out, reference_out;
-  MemoryPlan plan;
-  // Packing by tokens would keep the long sequences out of full micro-batches; this test is about
-  // the out-of-memory path, so micro-batches are by count here.
-  std::vector<Tensor> limited = run({.per_device_train_batch_size = kAutoBatch, .train_batch_size = 8,
-                                     .memory_budget = budget, .num_train_epochs = 2, .learning_rate = 1e-3,
-                                     .logging_steps = 1, .pack_by_tokens = false}, &limited_out, &plan);
-  CHECK(plan.micro_batch_size == 8);
+  std::vector<Tensor> limited = run(true, &limited_out);
   CHECK(limited_out.oom_splits > 0);
-  MESSAGE("budget " << budget << ": micro-batch " << plan.micro_batch_size << ", " << limited_out.oom_splits
+  MESSAGE("budget " << budget << " from step 2: " << limited_out.oom_splits
                     << " out-of-memory splits");
-  std::vector<Tensor> reference = run({.per_device_train_batch_size = 8, .num_train_epochs = 2,
-                                       .learning_rate = 1e-3, .logging_steps = 1}, &reference_out, nullptr);
+  std::vector<Tensor> reference = run(false, &reference_out);
   CHECK(reference_out.oom_splits == 0);
   for (std::size_t i = 0; i < limited.size(); ++i) CHECK(max_relative_difference(limited[i], reference[i]) <= 1e-10);
 }
@@ -872,19 +880,25 @@ TEST_CASE("kill -9 and resume: the resumed run ends with bitwise the same weight
 }
 #endif
 
-TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-memory, same result") {
-  // The first 12 sequences (what the planner samples) are short; later ones alternate 4 and 16.
+TEST_CASE("token-budget micro-batches: planned at the longest sequence, short ones share") {
+  // The first 12 sequences are short; later ones alternate 4 and 16 tokens. The budget fits a
+  // window of 12 short ones. The plan is measured with every row as long as the longest
+  // (Note [Token-budget micro-batches]), so it takes fewer rows than 12 and nothing runs out of
+  // memory either way; packed by tokens, short sequences share a micro-batch up to the tokens
+  // measured, so windows take fewer micro-batches than by count. Same weights both ways.
   std::vector<std::int64_t> lengths(48, 4);
   for (int i = 12; i < 48; i += 2) lengths[i] = 16;
   Sequences data(lengths, 13);
+  std::vector<std::int64_t> short_lengths(12, 4);
+  Sequences short_data(short_lengths, 13);
   nn::GPTConfig cfg{.vocab_size = 13, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
   ModelInit init = [cfg] {
     auto m = std::make_unique<nn::GPT>(cfg);
     m->to(DType::f64);
     return m;
   };
-  const std::int64_t budget = budget_for_window(init, data, 12);
-  auto run = [&](bool pack, TrainOutput* out, std::int64_t* most_micro_batches) {
+  const std::int64_t budget = budget_for_window(init, short_data, 12);
+  auto run = [&](bool pack, TrainOutput* out, std::int64_t* fewest_micro_batches) {
     TempDir dir;
     std::ostringstream sink;
     Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
@@ -892,27 +906,55 @@ TEST_CASE("token-budget micro-batches: long sequences get fewer rows, no out-of-
                            .learning_rate = 1e-3, .logging_steps = 1, .pack_by_tokens = pack, .use_cpu = true}, data);
     trainer.set_log_stream(&sink);
     *out = trainer.train();
-    CHECK(trainer.plan().micro_batch_size == 12);
+    CHECK(trainer.plan().micro_batch_size < 12);  // 12 rows of 16 tokens do not fit
+    *fewest_micro_batches = 12;
     for (auto& l : read_log(dir.path)) {
       if (l.contains("event")) continue;
       CHECK(l["measured_peak"].get<std::int64_t>() <= budget);
-      *most_micro_batches = std::max<std::int64_t>(*most_micro_batches, l["steps_per_window"].get<std::int64_t>());
+      *fewest_micro_batches =
+          std::min<std::int64_t>(*fewest_micro_batches, l["steps_per_window"].get<std::int64_t>());
     }
     std::vector<Tensor> w;
     for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
     return w;
   };
   TrainOutput packed_out, counted_out;
-  std::int64_t packed_micro = 0, counted_micro = 0;
-  std::vector<Tensor> packed = run(true, &packed_out, &packed_micro);
-  std::vector<Tensor> counted = run(false, &counted_out, &counted_micro);
-  CHECK(packed_out.oom_splits == 0);   // long windows were split before they ran
-  CHECK(counted_out.oom_splits > 0);   // by count, the same windows ran out of memory first
-  CHECK(packed_micro > 1);
+  std::int64_t packed_fewest = 0, counted_fewest = 0;
+  std::vector<Tensor> packed = run(true, &packed_out, &packed_fewest);
+  std::vector<Tensor> counted = run(false, &counted_out, &counted_fewest);
+  CHECK(packed_out.oom_splits == 0);
+  CHECK(counted_out.oom_splits == 0);
+  CHECK(packed_fewest < counted_fewest);  // short sequences packed several to a micro-batch
   for (std::size_t i = 0; i < packed.size(); ++i) CHECK(max_relative_difference(packed[i], counted[i]) <= 1e-10);
-  MESSAGE("budget " << budget << ": packed by tokens, up to " << packed_micro << " micro-batches a window and "
-                    << packed_out.oom_splits << " out-of-memory splits; by count, " << counted_out.oom_splits
-                    << " splits");
+  MESSAGE("budget " << budget << ": fewest micro-batches a window packed by tokens " << packed_fewest
+                    << ", by count " << counted_fewest);
+}
+
+TEST_CASE("a budget that one long sequence does not fit is refused when planned, not mid-run") {
+  // The planner used to measure the first examples only: with short ones first, it accepted a
+  // budget under which the later long sequence alone could not train ("one sample does not fit"
+  // after some steps). It now measures the longest and refuses at once.
+  std::vector<std::int64_t> lengths(20, 4);
+  lengths[17] = 16;
+  Sequences data(lengths, 13);
+  std::vector<std::int64_t> short_lengths(1, 4);
+  Sequences short_data(short_lengths, 13);
+  nn::GPTConfig cfg{.vocab_size = 13, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
+  ModelInit init = [cfg] {
+    auto m = std::make_unique<nn::GPT>(cfg);
+    m->to(DType::f64);
+    return m;
+  };
+  const std::int64_t budget = budget_for_window(init, short_data, 1);  // one short sequence
+  TempDir dir;
+  // The Trainer plans when it is made, before any step.
+  check_throws_with(
+      [&] {
+        Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                               .train_batch_size = 4, .memory_budget = budget, .max_steps = 10,
+                               .logging_steps = 1, .use_cpu = true}, data);
+      },
+      "[planner] the budget of");
 }
 
 TEST_CASE("Trainer: an output_dir that cannot be made is refused by name, with the reason") {
