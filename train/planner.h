@@ -60,6 +60,9 @@ struct MemoryPlan {
   double margin = 0.05;  // the plan's peak must be <= budget * (1 - margin)
   Device device = kCPU;  // the training device the plan is for
   std::vector<DeviceOverhead> outside_budget;  // device_overheads(device)
+  /// Token data: the sequence length every planned row had, the training set's longest (Note
+  /// [Token-budget micro-batches] in train/trainer.cpp); 0 otherwise.
+  std::int64_t sequence_length = 0;
   /// The plan and its predicted peak broken down, as a table.
   std::string str() const;
   nlohmann::json to_json() const;

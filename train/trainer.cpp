@@ -143,6 +143,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
       },
       config);
   MemoryPlan p = planner.plan();
+  p.sequence_length = longest.length;
   default_generator().set_state(rng);
   return p;
 }
@@ -635,7 +636,7 @@ TrainOutput Trainer::train() {
   const bool token_labels = train_set_.get(0).label.dim() > 0;
   std::int64_t token_budget = 0;  // Note [Token-budget micro-batches]
   if (token_labels && args_.memory_budget > 0 && args_.pack_by_tokens) {
-    token_budget = plan_.micro_batch_size * longest_example(train_set_).length;
+    token_budget = plan_.micro_batch_size * plan_.sequence_length;
   }
   const auto t0 = std::chrono::steady_clock::now();
   const std::int64_t eval_every = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;
