@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "tests/core/harness.h"
+#include "tests/train/trainer_fixtures.h"
 #include "train/trainer.h"
 
 using namespace microbatch;
@@ -12,26 +13,6 @@ using namespace microbatch::testing;
 using namespace microbatch::train;
 
 namespace {
-
-// Next-token sequences of the given lengths over a vocabulary of `vocab`.
-class Sequences : public Dataset {
- public:
-  Sequences(std::vector<std::int64_t> lengths, std::int64_t vocab)
-      : lengths_(std::move(lengths)), vocab_(vocab) {}
-  std::int64_t size() const override { return static_cast<std::int64_t>(lengths_.size()); }
-  Example get(std::int64_t i) const override {
-    check_index(i, "Sequences");
-    const std::int64_t t = lengths_[i];
-    std::vector<double> ids(t + 1);
-    for (std::int64_t k = 0; k <= t; ++k) ids[k] = static_cast<double>((i * 7 + k * 3) % vocab_);
-    Tensor all = from_vector(ids, {t + 1}, {.dtype = DType::i64});
-    return {all.slice(0, 0, t).contiguous(), all.slice(0, 1, t + 1).contiguous()};
-  }
-
- private:
-  std::vector<std::int64_t> lengths_;
-  std::int64_t vocab_;
-};
 
 ModelInit tiny_gpt(std::int64_t ignore_index = -100) {
   return [ignore_index] {

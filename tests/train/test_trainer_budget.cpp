@@ -1,0 +1,318 @@
+// The Trainer under a memory budget: the measured peak within it and at its prediction, the same
+// weights as an unlimited run, out-of-memory recovery, and variable-length sequences planned at
+// their longest and packed by tokens (the rest of the Trainer is test_trainer.cpp's).
+#include <algorithm>
+#include <filesystem>
+#include <limits>
+#include <sstream>
+
+#include "tests/core/harness.h"
+#include "tests/train/trainer_fixtures.h"
+#include "train/accumulation_check.h"
+#include "train/trainer.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+using namespace microbatch::train;
+namespace fs = std::filesystem;
+
+TEST_CASE("Trainer under a memory budget: peak within it every step, same weights as an unlimited run") {
+  // f64, so that the comparison measures the accumulation: in f32, AdamW's first steps turn the
+  // rounding differences of two summation orders in near-zero gradients (|g| ~ eps) into weight
+  // differences of ~1e-5 relative, whatever the accumulation does.
+  manual_seed(3);
+  TensorDataset train_set(rand({64, 28, 28}, {.dtype = DType::f64}), (rand({64}) * 10.0).to(DType::i64));
+  ModelInit init = [] {
+    auto m = std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}});
+    m->to(DType::f64);
+    return m;
+  };
+  auto run = [&](TrainingArguments args) {
+    TempDir dir;
+    args.output_dir = dir.path.string();
+    args.use_cpu = true;  // the budget and the byte-exact peaks follow the CPU allocator's rules
+    std::ostringstream sink;
+    Trainer trainer(init, args, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    std::vector<Tensor> weights;
+    for (auto& [n, t] : trainer.model().named_parameters()) weights.push_back(t.clone());
+    return std::make_tuple(weights, read_log(dir.path), trainer.plan());
+  };
+  TrainingArguments common{.per_device_train_batch_size = 32, .max_steps = 4, .learning_rate = 1e-3,
+                           .logging_steps = 1};
+  auto [full_weights, full_log, full_plan] = run(common);
+  // A budget under which the window of 32 does not fit in one micro-batch.
+  TrainingArguments budgeted = common;
+  budgeted.per_device_train_batch_size = kAutoBatch;
+  budgeted.train_batch_size = 32;
+  budgeted.memory_budget = 1800 << 10;
+  auto [weights, log, plan] = run(budgeted);
+  CHECK(plan.micro_batch_size < 32);
+  CHECK(plan.accumulation_steps > 1);
+  int steps = 0;
+  for (auto& l : log) {
+    if (l.contains("event")) continue;
+    ++steps;
+    CHECK(l["measured_peak"].get<std::int64_t>() <= budgeted.memory_budget);
+    CHECK(std::abs(l["measured_peak"].get<double>() - plan.predicted_peak) <= 0.05 * plan.predicted_peak);
+  }
+  CHECK(steps == 4);
+  for (std::size_t i = 0; i < weights.size(); ++i) CHECK(max_relative_difference(weights[i], full_weights[i]) <= 1e-10);
+}
+
+TEST_CASE("Trainer under a memory budget: the epoch's shorter last batch is in the prediction") {
+  // Note [Uneven windows]: 70 samples in windows of 32 end each epoch on a window of 6, whose
+  // micro-batch takes cache blocks of its own. The prediction counts it, so the run's peak (over
+  // epoch ends) reaches the prediction, within one allocator block (measured: 512 bytes under it),
+  // and is above the peak of the windows before the first epoch end; a training set of 64 has no
+  // such window, and its lower prediction is its peak to the byte.
+  manual_seed(4);
+  auto run = [&](std::int64_t n) {
+    TensorDataset train_set = synthetic_images(n, 5);
+    TempDir dir;
+    TrainingArguments args{.per_device_train_batch_size = 32, .max_steps = 7, .learning_rate = 1e-3,
+                           .logging_steps = 1};
+    args.memory_budget = 64 << 20;
+    args.output_dir = dir.path.string();
+    args.use_cpu = true;
+    std::ostringstream sink;
+    Trainer trainer(small_mlp(), args, train_set);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    std::vector<std::int64_t> peaks;
+    for (auto& l : read_log(dir.path))
+      if (!l.contains("event")) peaks.push_back(l["measured_peak"].get<std::int64_t>());
+    return std::pair{trainer.plan().predicted_peak, peaks};
+  };
+  const auto [predicted, peaks] = run(70);  // 3 windows an epoch: 32, 32, 6
+  const auto [even_predicted, even_peaks] = run(64);
+  REQUIRE(peaks.size() == 7u);
+  INFO("predicted " << predicted << " (64 samples: " << even_predicted << "), peaks " << peaks[0] << " "
+                    << peaks[2] << " " << peaks[6]);
+  const std::int64_t run_peak = *std::max_element(peaks.begin(), peaks.end());
+  CHECK(run_peak <= predicted);
+  CHECK(predicted - run_peak <= 4096);
+  CHECK(peaks[0] < run_peak);  // before the first epoch end
+  CHECK(even_predicted < predicted);
+  CHECK(*std::max_element(even_peaks.begin(), even_peaks.end()) == even_predicted);
+}
+
+TEST_CASE("Trainer: an evaluation right after a log line adds nothing to the next line's peak") {
+  // 70 samples in windows of 32 end the epoch on a window of 6 (step 3), whose blocks sit in the
+  // cache beside the full windows' until the evaluation at step 4 hands them back. Step 5 then
+  // runs a full window from an empty cache, as step 1 did, and its line must show step 1's peak,
+  // not what was reserved when the evaluation began (logged with step 4 already).
+  manual_seed(4);
+  TensorDataset train_set = synthetic_images(70, 5);
+  TensorDataset eval_set = synthetic_images(16, 6);
+  TempDir dir;
+  TrainingArguments args{.per_device_train_batch_size = 32, .max_steps = 5, .learning_rate = 1e-3,
+                         .logging_steps = 1, .eval_strategy = "steps", .eval_steps = 4};
+  args.output_dir = dir.path.string();
+  args.use_cpu = true;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), args, train_set, &eval_set);
+  trainer.set_log_stream(&sink);
+  trainer.train();
+  std::vector<std::int64_t> peaks;
+  for (auto& l : read_log(dir.path))
+    if (!l.contains("event")) peaks.push_back(l["measured_peak"].get<std::int64_t>());
+  REQUIRE(peaks.size() == 5u);
+  INFO("peaks " << peaks[0] << " " << peaks[2] << " " << peaks[3] << " " << peaks[4]);
+  CHECK(peaks[2] > peaks[0]);  // the epoch's end holds both windows' blocks
+  CHECK(peaks[3] == peaks[2]);  // still cached at step 4
+  CHECK(peaks[4] == peaks[0]);
+}
+
+TEST_CASE("Trainer: evaluation's predictions are held outside the budget that training fits") {
+  // Note [Predictions outside the budget]: the logits and labels of 4000 evaluation images (190 KB,
+  // and their concatenation as much again) do not fit beside the training's memory under a budget
+  // that just fits a window of 16; held in it, they failed the first evaluation with "one
+  // evaluation sample does not fit", and the run saved no weights.
+  TensorDataset train_set = synthetic_images(64, 6);
+  manual_seed(7);
+  const Tensor eval_labels = (rand({4000}) * 10.0).to(DType::i64);
+  TensorDataset eval_set(rand({4000, 28, 28}), eval_labels);
+  const std::int64_t budget = budget_for_window(small_mlp(), train_set, 16);
+  TempDir dir;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(),
+                  {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                   .train_batch_size = 16, .memory_budget = budget, .max_steps = 2,
+                   .logging_steps = 1, .eval_strategy = "epoch", .use_cpu = true},
+                  train_set, &eval_set, classification_metrics);
+  trainer.set_log_stream(&sink);
+  const TrainOutput out = trainer.train();
+  CHECK(out.global_step == 2);
+  CHECK(out.metrics.count("eval_accuracy") == 1);
+  CHECK(fs::exists(dir.path / "model.safetensors"));
+  int evals = 0;
+  for (auto& l : read_log(dir.path)) {
+    if (l.contains("measured_peak")) CHECK(l["measured_peak"].get<std::int64_t>() <= budget);
+    evals += l.value("event", "") == "eval";
+  }
+  CHECK(evals == 1);
+  const PredictionOutput p = trainer.predict(eval_set);
+  CHECK(p.predictions.shape() == Shape{4000, 10});
+  CHECK(p.label_ids.shape() == Shape{4000});
+  // The labels are the evaluation set's, in order.
+  CHECK(p.label_ids.to_vector() == eval_labels.to_vector());
+}
+
+TEST_CASE("out-of-memory recovery: counting a window's items collates nothing, so a split still runs") {
+  // A window of 100 planned as one micro-batch, and then 250 KB taken before training: the
+  // micro-batch of 100 no longer fits, and one of 50 does (its inputs alone are 157 KB fewer). Counting the window's loss-bearing labels used
+  // to collate the whole window first, outside the recovery, and that collation ran out of memory.
+  TensorDataset train_set = synthetic_images(200, 8);
+  const std::int64_t budget = budget_for_window(small_mlp(), train_set, 100);
+  empty_cache(kCPU);  // no cached blocks in the baseline: the budget is all the room there is
+  TempDir dir;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(),
+                  {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                   .train_batch_size = 100, .memory_budget = budget, .max_steps = 2,
+                   .logging_steps = 1, .use_cpu = true},
+                  train_set);
+  REQUIRE(trainer.plan().micro_batch_size == 100);
+  trainer.set_log_stream(&sink);
+  const Tensor held = empty({250 << 10}, {.dtype = DType::u8});
+  const TrainOutput out = trainer.train();
+  CHECK(out.global_step == 2);
+  CHECK(out.oom_splits > 0);
+}
+
+TEST_CASE("Trainer: a budget near INT64_MAX above a baseline trains (no overflow in the sum)") {
+  // The allocator's limit is baseline + budget, summed in size_t: in int64 it overflowed (UB) for
+  // a budget from the C++ API or a JSON config, which parse_bytes' cap does not cover.
+  TensorDataset train_set = synthetic_images(32, 9);
+  const Tensor held = ones({1024});  // a baseline above 0
+  TempDir dir;
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = 1;
+  a.memory_budget = std::numeric_limits<std::int64_t>::max();
+  CHECK(quiet_train(a, train_set).global_step == 1);
+}
+
+TEST_CASE("a budget too small for one sample fails at once, saying how much is needed") {
+  TensorDataset train_set = synthetic_images(8, 4);
+  check_throws_with([&] {
+    Trainer(small_mlp(), {.per_device_train_batch_size = kAutoBatch, .train_batch_size = 8, .memory_budget = 4096},
+            train_set);
+  }, "too small for one sample");
+}
+
+TEST_CASE("out-of-memory recovery: a long micro-batch is split and re-run, weights as without the limit") {
+  // 48 short sequences and two long ones near the end, in micro-batches of 8 by count. After the
+  // first step the CPU's budget drops to what a window of 8 short sequences needs, as when
+  // something else takes memory mid-run (another process on a GPU): a window holding a long
+  // sequence pads every row to 16 tokens and no longer fits, and is split and re-run.
+  std::vector<std::int64_t> lengths(48, 4);
+  lengths[40] = 16;
+  lengths[45] = 16;
+  Sequences data(lengths, 11);
+  std::vector<std::int64_t> short_lengths(8, 4);
+  Sequences short_data(short_lengths, 11);
+  const ModelInit init = f64_gpt(11);
+  const std::int64_t budget = budget_for_window(init, short_data, 8);
+  struct ClearBudget {
+    ~ClearBudget() { clear_memory_budget(kCPU); }
+  };
+  auto run = [&](bool limit, TrainOutput* out) {
+    TempDir dir;
+    TrainingArguments args{.per_device_train_batch_size = 8, .num_train_epochs = 2,
+                           .learning_rate = 1e-3, .logging_steps = 1};
+    args.output_dir = dir.path.string();
+    args.use_cpu = true;  // the budget follows the CPU allocator's rules
+    std::ostringstream sink;
+    ClearBudget clear;
+    empty_cache(kCPU);  // blocks cached by earlier tests are not this run's baseline
+    const std::int64_t baseline = memory_stats(kCPU).reserved.current;
+    Trainer trainer(init, args, data);
+    trainer.set_log_stream(&sink);
+    if (limit) {
+      trainer.set_step_callback([&](std::int64_t step) {
+        if (step == 1) set_memory_budget(kCPU, static_cast<std::size_t>(baseline + budget));
+      });
+    }
+    *out = trainer.train();
+    std::vector<Tensor> w;
+    for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
+    return w;
+  };
+  TrainOutput limited_out, reference_out;
+  std::vector<Tensor> limited = run(true, &limited_out);
+  CHECK(limited_out.oom_splits > 0);
+  MESSAGE("budget " << budget << " from step 2: " << limited_out.oom_splits
+                    << " out-of-memory splits");
+  std::vector<Tensor> reference = run(false, &reference_out);
+  CHECK(reference_out.oom_splits == 0);
+  for (std::size_t i = 0; i < limited.size(); ++i) CHECK(max_relative_difference(limited[i], reference[i]) <= 1e-10);
+}
+
+TEST_CASE("token-budget micro-batches: planned at the longest sequence, short ones share") {
+  // The first 12 sequences are short; later ones alternate 4 and 16 tokens. The budget fits a
+  // window of 12 short ones. The plan is measured with every row as long as the longest
+  // (Note [Token-budget micro-batches]), so it takes fewer rows than 12 and nothing runs out of
+  // memory either way; packed by tokens, short sequences share a micro-batch up to the tokens
+  // measured, so windows take fewer micro-batches than by count. Same weights both ways.
+  std::vector<std::int64_t> lengths(48, 4);
+  for (int i = 12; i < 48; i += 2) lengths[i] = 16;
+  Sequences data(lengths, 13);
+  std::vector<std::int64_t> short_lengths(12, 4);
+  Sequences short_data(short_lengths, 13);
+  const ModelInit init = f64_gpt(13);
+  const std::int64_t budget = budget_for_window(init, short_data, 12);
+  auto run = [&](bool pack, TrainOutput* out, std::int64_t* fewest_micro_batches) {
+    TempDir dir;
+    std::ostringstream sink;
+    Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                           .train_batch_size = 12, .memory_budget = budget, .num_train_epochs = 2,
+                           .learning_rate = 1e-3, .logging_steps = 1, .pack_by_tokens = pack, .use_cpu = true}, data);
+    trainer.set_log_stream(&sink);
+    *out = trainer.train();
+    CHECK(trainer.plan().micro_batch_size < 12);  // 12 rows of 16 tokens do not fit
+    *fewest_micro_batches = 12;
+    for (auto& l : read_log(dir.path)) {
+      if (l.contains("event")) continue;
+      CHECK(l["measured_peak"].get<std::int64_t>() <= budget);
+      *fewest_micro_batches =
+          std::min<std::int64_t>(*fewest_micro_batches, l["steps_per_window"].get<std::int64_t>());
+    }
+    std::vector<Tensor> w;
+    for (auto& [n, t] : trainer.model().named_parameters()) w.push_back(t.clone());
+    return w;
+  };
+  TrainOutput packed_out, counted_out;
+  std::int64_t packed_fewest = 0, counted_fewest = 0;
+  std::vector<Tensor> packed = run(true, &packed_out, &packed_fewest);
+  std::vector<Tensor> counted = run(false, &counted_out, &counted_fewest);
+  CHECK(packed_out.oom_splits == 0);
+  CHECK(counted_out.oom_splits == 0);
+  CHECK(packed_fewest < counted_fewest);  // short sequences packed several to a micro-batch
+  for (std::size_t i = 0; i < packed.size(); ++i) CHECK(max_relative_difference(packed[i], counted[i]) <= 1e-10);
+  MESSAGE("budget " << budget << ": fewest micro-batches a window packed by tokens " << packed_fewest
+                    << ", by count " << counted_fewest);
+}
+
+TEST_CASE("a budget that one long sequence does not fit is refused when planned, not mid-run") {
+  // The planner used to measure the first examples only: with short ones first, it accepted a
+  // budget under which the later long sequence alone could not train ("one sample does not fit"
+  // after some steps). It now measures the longest and refuses at once.
+  std::vector<std::int64_t> lengths(20, 4);
+  lengths[17] = 16;
+  Sequences data(lengths, 13);
+  std::vector<std::int64_t> short_lengths(1, 4);
+  Sequences short_data(short_lengths, 13);
+  const ModelInit init = f64_gpt(13);
+  const std::int64_t budget = budget_for_window(init, short_data, 1);  // one short sequence
+  TempDir dir;
+  // The Trainer plans when it is made, before any step.
+  check_throws_with(
+      [&] {
+        Trainer trainer(init, {.output_dir = dir.path.string(), .per_device_train_batch_size = kAutoBatch,
+                               .train_batch_size = 4, .memory_budget = budget, .max_steps = 10,
+                               .logging_steps = 1, .use_cpu = true}, data);
+      },
+      "[planner] the budget of");
+}
