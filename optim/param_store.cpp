@@ -226,11 +226,18 @@ const ParamStore::Entry& ParamStore::entry_at(std::int64_t index) const {
   return *std::prev(it);
 }
 
-double clip_grad_norm_(ParamStore& store, double max_norm) {
+double clip_grad_norm_(ParamStore& store, double max_norm, bool error_if_nonfinite) {
   MB_CHECK(max_norm > 0, "[clip_grad_norm_] max_norm must be positive, got {}", max_norm);
-  const double norm = store.grad_norm().norm;
+  const ParamStore::GradNorm g = store.grad_norm();
+  const double norm = g.norm;  // inf or NaN when a gradient is (the sum of squares takes them in)
+  MB_CHECK(!(error_if_nonfinite && g.non_finite),
+           "[clip_grad_norm_] the gradients' total norm is non-finite ('{}' holds the first "
+           "non-finite gradient), so they cannot be clipped; the gradients are left as they were "
+           "(pass error_if_nonfinite = false to scale them by the non-finite norm, as torch does)",
+           store.first_non_finite());
+  // A NaN coefficient is not clamped to 1 (torch's clamp keeps NaN): every gradient becomes NaN.
   const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
+  if (!(coef >= 1.0)) {
     const Tensor& grads = store.grads();
     launch("clip_grad_norm_", grads.device(), [&] { kernels::cpu::scale(grads.kview(), coef); },
            [&] { kernels::cuda::scale(grads.kview(), coef); });

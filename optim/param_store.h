@@ -141,7 +141,10 @@ class ParamStore {
 };
 
 /// Scales the gradients so that their global norm is at most max_norm (torch's
-/// clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1). Returns the norm.
-double clip_grad_norm_(ParamStore& store, double max_norm);
+/// clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1). Returns the norm. With a
+/// non-finite norm it does what torch does: an infinite norm scales every gradient by 0 (an
+/// infinite one becomes NaN), a NaN norm makes every gradient NaN; or, with error_if_nonfinite, it
+/// throws naming the first parameter whose gradient is non-finite and leaves the gradients alone.
+double clip_grad_norm_(ParamStore& store, double max_norm, bool error_if_nonfinite = false);
 
 }  // namespace microbatch::optim

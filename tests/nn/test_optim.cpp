@@ -114,6 +114,37 @@ TEST_CASE("clip_grad_norm_ scales to max_norm and returns the norm") {
   CHECK(store.grad_norm().norm == doctest::Approx(1.0).epsilon(1e-6));
 }
 
+TEST_CASE("clip_grad_norm_ with non-finite gradients does what torch does, or refuses") {
+  Tiny m;
+  optim::ParamStore store(m);
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  Tensor grads(store.grads());
+  auto values = [&] { return grads.to_vector(); };
+  // torch 1.13: an infinite norm gives the coefficient 0, so finite gradients become 0 and the
+  // infinite one 0 * inf = NaN; a NaN norm is not clamped and makes every gradient NaN.
+  grads.copy_(from_vector({3, inf, 0, 0, 0, 1}, {6}, {.dtype = DType::f64}));
+  CHECK(std::isinf(optim::clip_grad_norm_(store, 1.0)));
+  std::vector<double> v = values();
+  CHECK(std::isnan(v[1]));
+  for (int i : {0, 2, 3, 4, 5}) CHECK(v[i] == 0.0);
+  grads.copy_(from_vector({3, nan, 0, 0, 0, 1}, {6}, {.dtype = DType::f64}));
+  CHECK(std::isnan(optim::clip_grad_norm_(store, 1.0)));
+  for (double x : values()) CHECK(std::isnan(x));
+  // error_if_nonfinite: refused, naming the parameter, and the gradients are left as they were.
+  grads.copy_(from_vector({3, 4, 0, 0, nan, 1}, {6}, {.dtype = DType::f64}));
+  const std::string bad = store.first_non_finite();
+  CHECK(!bad.empty());
+  check_throws_with([&] { optim::clip_grad_norm_(store, 1.0, /*error_if_nonfinite=*/true); },
+                    "non-finite ('" + bad + "'");
+  v = values();
+  CHECK(v[0] == 3.0);
+  CHECK(v[1] == 4.0);
+  CHECK(std::isnan(v[4]));
+  // Finite gradients are clipped as before with the check on.
+  grads.copy_(from_vector({3, 4, 0, 0, 0, 0}, {6}, {.dtype = DType::f64}));
+  CHECK(optim::clip_grad_norm_(store, 1.0, true) == doctest::Approx(5.0));
+}
+
 TEST_CASE("LRScheduler state_dict restores the position and the learning rate") {
   Tiny m;
   optim::ParamStore store(m);
