@@ -3,6 +3,8 @@
 // from a file first, and flags given on the command line win. Training goes to cuda:0 when a CUDA
 // device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a GPU
 // on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
+// Exit status: 0 on success, 1 when check-accumulation finds a mismatch, 2 on any error (a bad
+// flag or value, or a failure while running).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -460,7 +462,12 @@ int main(int argc, char** argv) {
                                            "one step on a full batch vs. the same batch in micro-batches");
   check_cmd->add_option("--dtype", dtypes, "f64, f32 or both")->check(CLI::IsMember({"f64", "f32", "both"}));
   check_cmd->add_flag("--json", json, "print one JSON object per check, then one with the result");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version are "errors" whose exit code is 0; a bad flag exits 2, as any error.
+    return app.exit(e) == 0 ? 0 : 2;
+  }
   try {
     for (const CLI::App* cmd : {train_cmd, plan_cmd, check_cmd})
       if (cmd->parsed()) refuse_missing_values(*cmd);

@@ -6,7 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 BUILD_DIR="${BUILD_DIR:-build}"
-# No --per-device-train-batch-size: the command's 64 is a default, so that
+# The example's 10 epochs and a line every 500 steps, unless a --config file is given: flags win
+# over a config file's keys, so passing them would silently override the file's. No
+# --per-device-train-batch-size: the command's 64 is a default, so that
 # `--gradient-accumulation-steps 4 --train-batch-size 100` gives micro-batches of 25.
-exec "$BUILD_DIR/microbatch" train --model mlp --num-train-epochs 10 --learning-rate 1e-3 \
-  --logging-steps 500 --eval-strategy epoch "$@"
+example=(--num-train-epochs 10 --logging-steps 500)
+for arg in "$@"; do
+  if [[ "$arg" == --config || "$arg" == --config=* ]]; then
+    example=()
+  fi
+done
+exec "$BUILD_DIR/microbatch" train --model mlp "${example[@]}" "$@"

@@ -33,16 +33,51 @@ std::int64_t parse_bytes(const std::string& text) {
   else if (unit == "MiB") scale = 1024.0 * 1024;
   else if (unit == "GiB") scale = 1024.0 * 1024 * 1024;
   else if (unit == "TiB") scale = 1024.0 * 1024 * 1024 * 1024;
-  else MB_CHECK(false, "[memory_budget] unknown unit '{}' in '{}': use B, KB, MB, GB, KiB, MiB or GiB", unit, text);
-  MB_CHECK(value >= 0 && std::isfinite(value), "[memory_budget] size must be non-negative, got '{}'", text);
+  else MB_CHECK(false, "[memory_budget] unknown unit '{}' in '{}': use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB", unit, text);
+  MB_CHECK(std::isfinite(value), "[memory_budget] size must be a finite number of bytes, got '{}'", text);
+  MB_CHECK(value >= 0, "[memory_budget] size must be non-negative, got '{}'", text);
   // llround of a size past 2^63 bytes is undefined (it came back as INT64_MIN).
   MB_CHECK(value * scale < std::ldexp(1.0, 63),
            "[memory_budget] '{}' is too large: a size must be less than 8 EiB (2^63 bytes)", text);
-  return static_cast<std::int64_t>(std::llround(value * scale));
+  const auto bytes = static_cast<std::int64_t>(std::llround(value * scale));
+  // 0 means no budget: a size that only rounds to it is refused rather than lifting the budget.
+  MB_CHECK(bytes > 0 || value == 0,
+           "[memory_budget] '{}' is less than one byte (0 means no budget at all)", text);
+  return bytes;
 }
+
+namespace {
+
+// The path as text a terminal shows: bytes outside printable ASCII as \xNN.
+std::string printable(const std::string& s) {
+  std::string out;
+  for (const char c : s) {
+    const auto u = static_cast<unsigned char>(c);
+    out += u >= 0x20 && u < 0x7F ? std::string(1, c) : fmt::format("\\x{:02X}", u);
+  }
+  return out;
+}
+
+// Paths the Trainer writes into JSON (checkpoints' trainer state, log.jsonl) must be UTF-8, which
+// JSON can hold; a POSIX path may be any bytes. Refused when the arguments are checked rather than
+// when the first checkpoint is written, after training has begun.
+void check_json_text(const char* name, const std::string& value) {
+  try {
+    (void)nlohmann::json(value).dump();
+  } catch (const nlohmann::json::type_error& e) {
+    MB_CHECK(false,
+             "[TrainingArguments] {} '{}' is not valid UTF-8, which the run's JSON files (its log "
+             "and checkpoints) need: {}",
+             name, printable(value), e.what());
+  }
+}
+
+}  // namespace
 
 void TrainingArguments::validate() const {
   MB_CHECK(!output_dir.empty(), "[TrainingArguments] output_dir must name a folder, got ''");
+  check_json_text("output_dir", output_dir);
+  check_json_text("resume_from_checkpoint", resume_from_checkpoint);
   MB_CHECK(per_device_train_batch_size >= 1 || per_device_train_batch_size == kAutoBatch,
            "[TrainingArguments] per_device_train_batch_size must be >= 1 or auto, got {}",
            per_device_train_batch_size);

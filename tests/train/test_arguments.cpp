@@ -82,10 +82,30 @@ TEST_CASE("TrainingArguments: whole numbers, ranges and types are checked, namin
                     "num_train_epochs must be in [0, 1e9]");
 }
 
+TEST_CASE("TrainingArguments: paths the run writes into JSON must be UTF-8, refused up front") {
+  // Any bytes make a POSIX path, but the log and the checkpoints' trainer state are JSON.
+  check_throws_with([] { TrainingArguments{.output_dir = "out\xff"}.validate(); },
+                    "output_dir 'out\\xFF' is not valid UTF-8");
+  check_throws_with([] { TrainingArguments{.resume_from_checkpoint = "ck\xc3"}.validate(); },
+                    "resume_from_checkpoint 'ck\\xC3' is not valid UTF-8");
+  TrainingArguments{.output_dir = "r\xc3\xa9sultats"}.validate();  // UTF-8 beyond ASCII is fine
+}
+
 TEST_CASE("TrainingArguments: out-of-range sizes and batches say what is wrong") {
   check_throws_with([] { parse_bytes("1e30"); }, "'1e30' is too large");
   check_throws_with([] { parse_bytes("9EiB"); }, "unknown unit");
   CHECK(parse_bytes("7TiB") == std::int64_t{7} << 40);
+  CHECK(parse_bytes("2TB") == std::int64_t{2000000000000});
+  check_throws_with([] { parse_bytes("9EiB"); }, "use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB");
+  // inf and nan are not sizes; a size that rounds to 0 bytes would silently mean "no budget".
+  check_throws_with([] { parse_bytes("inf"); }, "size must be a finite number of bytes, got 'inf'");
+  check_throws_with([] { parse_bytes("nan MiB"); }, "must be a finite number of bytes");
+  check_throws_with([] { parse_bytes("-1KB"); }, "size must be non-negative, got '-1KB'");
+  check_throws_with([] { parse_bytes("0.4"); }, "'0.4' is less than one byte (0 means no budget");
+  check_throws_with([] { parse_bytes("0.0001KB"); }, "less than one byte");
+  CHECK(parse_bytes("0") == 0);
+  CHECK(parse_bytes("0 GiB") == 0);
+  CHECK(parse_bytes("0.6") == 1);
   // 0 is not a batch size; "auto" is the one spelling of an automatic one.
   check_throws_with([] { TrainingArguments{.per_device_train_batch_size = 0}.validate(); },
                     "per_device_train_batch_size must be >= 1 or auto, got 0");

@@ -97,6 +97,14 @@ TEST_CASE("the command: bad input is a message and exit status 2, never an abort
       {"--n-layer -1", "error: [GPT] n_layer must be >= 1, got -1"},
       {"--block-size 0", "error: [--block-size] must be >= 1, got 0"},
       {"--memory-budget 1e30", "error: [memory_budget] '1e30' is too large"},
+      {"--memory-budget 0.4", "error: [memory_budget] '0.4' is less than one byte"},
+      // Failing at the first checkpoint, after training, lost the run: refused before it starts.
+      {"--save-strategy steps --save-steps 1 --output-dir " + (dir.path / "out\xff").string(),
+       "output_dir '" + (dir.path / "out").string() + "\\xFF' is not valid UTF-8"},
+      // A flag the parser refuses exits 2 as well, as every error.
+      {"--no-such-flag", "--no-such-flag"},
+      {"--text-level BYTE", "--text-level"},
+      {"--n-layer", "--n-layer"},
       {"--per-device-train-batch-size 0",
        "per_device_train_batch_size must be >= 1 or \"auto\", got 0"},
       {"--gradient-accumulation-steps 3 --train-batch-size 32",
@@ -333,30 +341,58 @@ bool have_fashion_mnist() {
   return fs::exists(fs::path(train::kFashionMnistRoot) / "train-images-idx3-ubyte.gz") &&
          fs::exists(fs::path(train::kFashionMnistRoot) / "train-labels-idx1-ubyte.gz");
 }
+
+
+// Runs scripts/train.sh as it is, with its setup step stubbed and this build's command, in a copy
+// of its folders under `dir`; returns its exit status.
+int run_train_script(const TempDir& dir, const std::string& args) {
+  const fs::path root = fs::path(MB_FIXTURES_DIR).parent_path().parent_path();
+  fs::create_directories(dir.path / "scripts");
+  fs::create_directories(dir.path / "build");
+  fs::copy_file(root / "scripts" / "train.sh", dir.path / "scripts" / "train.sh",
+                fs::copy_options::overwrite_existing);
+  std::ofstream(dir.path / "scripts" / "setup.sh") << "true\n";
+  if (!fs::exists(dir.path / "build" / "microbatch"))
+    fs::create_symlink(MB_CLI_PATH, dir.path / "build" / "microbatch");
+  const fs::path out = dir.path / "out.txt";
+  const std::string cmd = fmt::format("BUILD_DIR=build timeout 120 bash {} {} > {} 2>&1",
+                                      (dir.path / "scripts" / "train.sh").string(), args,
+                                      out.string());
+  const int status = std::system(cmd.c_str());
+  std::ifstream in(out);
+  INFO(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
+  CHECK(status == 0);
+  return status;
+}
 }  // namespace
 
 TEST_CASE("the command: scripts/train.sh leaves the micro-batch to the batch triad" *
           doctest::skip(!have_fashion_mnist())) {
-  // The script as it is, with its setup step stubbed and this build's command.
   TempDir dir;
-  const fs::path root = fs::path(MB_FIXTURES_DIR).parent_path().parent_path();
-  fs::create_directories(dir.path / "scripts");
-  fs::create_directories(dir.path / "build");
-  fs::copy_file(root / "scripts" / "train.sh", dir.path / "scripts" / "train.sh");
-  std::ofstream(dir.path / "scripts" / "setup.sh") << "true\n";
-  fs::create_symlink(MB_CLI_PATH, dir.path / "build" / "microbatch");
-  const fs::path run = dir.path / "run", out = dir.path / "out.txt";
-  const std::string cmd = fmt::format(
-      "BUILD_DIR=build timeout 120 bash {} --gradient-accumulation-steps 4 --train-batch-size 100 "
-      "--max-steps 1 --logging-steps 1 --eval-strategy no --use-cpu --output-dir {} > {} 2>&1",
-      (dir.path / "scripts" / "train.sh").string(), run.string(), out.string());
-  const int status = std::system(cmd.c_str());
-  std::ifstream in(out);
-  INFO(std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()));
-  REQUIRE(status == 0);
+  const fs::path run = dir.path / "run";
+  REQUIRE(run_train_script(dir, "--gradient-accumulation-steps 4 --train-batch-size 100 "
+                                "--max-steps 1 --logging-steps 1 --eval-strategy no --use-cpu "
+                                "--output-dir " + run.string()) == 0);
   const std::vector<nlohmann::json> lines = step_lines(run);
   REQUIRE(lines.size() == 1);
   CHECK(lines[0]["micro_batch_size"] == 25);
   CHECK(lines[0]["steps_per_window"] == 4);
+}
+
+TEST_CASE("the command: scripts/train.sh's own flags do not override a config file" *
+          doctest::skip(!have_fashion_mnist())) {
+  // The script's 10 epochs and logging every 500 steps are flags, and flags win over a config
+  // file: with --config they are left out, so the file's logging_steps holds.
+  TempDir dir;
+  const fs::path run = dir.path / "run", config = dir.path / "args.json";
+  std::ofstream(config) << R"({"logging_steps": 1, "max_steps": 3, "eval_strategy": "no"})";
+  REQUIRE(run_train_script(dir, "--config " + config.string() + " --use-cpu --output-dir " +
+                                    run.string()) == 0);
+  CHECK(step_lines(run).size() == 3);
+  // Without a config file the script's own logging interval holds (one line, at the last step).
+  const fs::path plain = dir.path / "plain";
+  REQUIRE(run_train_script(dir, "--max-steps 3 --eval-strategy no --use-cpu --output-dir " +
+                                    plain.string()) == 0);
+  CHECK(step_lines(plain).size() == 1);
 }
 #endif
