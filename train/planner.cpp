@@ -234,7 +234,11 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
     }
     MB_CHECK(model != nullptr, "[planner] the model factory returned no model");
     model->to(kMeta);  // what the factory made outside the layers (its own tensors)
+    // As the Trainer does (Note [Arenas in blocks of their own] in train/trainer.cpp): the arenas
+    // and the moments take blocks of their own size, not the initialisers' cached ones.
+    empty_cache(kMeta);
     optim::ParamStore store(*model, config_.store);
+    empty_cache(kMeta);
     optim::AdamW optimizer(store, config_.adamw);
     b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
     b.gradients = block_bytes(store.grads().nbytes());

@@ -142,7 +142,21 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
         return collate(examples);
       },
       config);
-  MemoryPlan p = planner.plan();
+  MemoryPlan p;
+  try {
+    p = planner.plan();
+  } catch (const OutOfMemoryError& e) {
+    default_generator().set_state(rng);
+    // The planner speaks of the micro-batch it was given: say where it came from when the one
+    // asked for was cut to the training set.
+    const std::int64_t asked = resolve_batch_triad(args).micro;
+    if (asked <= triad.micro) throw;
+    throw OutOfMemoryError(
+        fmt::format("per_device_train_batch_size {} is more than the {} training examples, so a "
+                    "micro-batch holds all of them: {}",
+                    asked, train_set.size(), e.what()),
+        e.requested());
+  }
   p.sequence_length = longest.length;
   default_generator().set_state(rng);
   return p;
@@ -340,6 +354,13 @@ TrainOutput Trainer::train() {
   const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
 
   model_->train();
+  // Note [Arenas in blocks of their own]: building the model leaves its initialisers' temporaries
+  // in the cache, and an arena may take such a block up to a quarter larger than itself (the CPU's
+  // best fit), for the whole run: bytes the plan, which counts each arena at its own size, does
+  // not see (7.5 KiB over a 134.5 KiB prediction for a small GPT, enough to fail its budget). The
+  // cache is emptied before the arenas are taken, and again before the optimizer's moments, after
+  // the parameters' own blocks have gone back to it.
+  empty_cache(device_);
   optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_, .grad_dtype = gradient_dtype()});
   std::optional<optim::DynamicLossScaler> scaler;
   if (args_.fp16) {
@@ -349,6 +370,7 @@ TrainOutput Trainer::train() {
                                            .min_loss_scale = args_.loss_scale_floor,
                                            .max_overflows_at_floor = args_.max_overflows_at_floor});
   }
+  empty_cache(device_);  // Note [Arenas in blocks of their own]
   optim::AdamW adamw(store, {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,
                              .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
   // The model's ignore_index pads token labels and is left out of each micro-batch's items (Note
