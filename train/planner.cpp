@@ -268,7 +268,13 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<std::int64_t>& sizes, b
       nn::ModelOutput out = model->forward(model_inputs, labels);
       MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
       out.logits = Tensor();  // as the Trainer does (Note [Reusing an input's memory])
-      out.loss.backward();
+      // fp16 training seeds backward with the loss scale (optim::BoundaryStep::backward_seed): on
+      // the CPU a tensor of its own, which the caller holds until backward returns (on CUDA a view
+      // of the device's scale, which allocates nothing). Its value does not matter here.
+      Tensor seed;
+      if (config_.store.compute_dtype == DType::f16 && !config_.device.is_cuda())
+        seed = full(out.loss.shape(), 1.0, {.dtype = out.loss.dtype(), .device = kMeta});
+      out.loss.backward(seed);
     }
     const MemoryStats end = memory_stats(kMeta);
     b.activations = end.allocated.peak - start.allocated.current;

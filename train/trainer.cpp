@@ -549,37 +549,45 @@ TrainOutput Trainer::train() {
   // save when the current one has moved past them (Note [Stopping at the loss-scale floor]).
   auto save = [&](std::optional<GeneratorState> rng = std::nullopt) {
     for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // a checkpoint is settled state
-    CheckpointData data;
-    for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
-    for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
-    if (!rng) rng = default_generator().state();
-    data.trainer_state = {{"global_step", step},
-                          {"epoch", epoch},
-                          {"window", window},
-                          {"samples", samples},
-                          {"tokens", tokens},
-                          {"loss_sum", loss_to_json(loss_total.value())},
-                          {"logged_step", logged_step},
-                          {"logged_loss_sum", loss_to_json(logged_total)},
-                          {"scheduler_steps", scheduler.steps()},
-                          {"rng_seed", rng->seed},
-                          {"rng_offset", rng->offset},
-                          {"plan", plan_.to_json()},
-                          {"args", args_.to_json()},
-                          {"skipped_steps", skipped},
-                          {"train_examples", train_set_.size()},
-                          {"train_fingerprint", fingerprint}};
-    if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
-    // The log up to and including this save's own line (Note [A used output_dir]); the path is
-    // save_checkpoint's, output_dir/checkpoint-<step>.
-    const std::string line =
-        nlohmann::json{{"event", "save"},
-                       {"step", step},
-                       {"path", (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string()}}
-            .dump() + "\n";
-    log_file.flush();
-    data.trainer_state["log_bytes"] = static_cast<std::int64_t>(log_file.tellp()) + static_cast<std::int64_t>(line.size());
-    const std::string path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
+    // The optimizer state's scalars (its step, the arenas' layout) are allocated for the save.
+    // Taken beside the last window's cached blocks they would raise the next line's peak above
+    // the plan, and left cached after it they fit none of the windows' requests: the cache is
+    // handed back before and after, as around an evaluation.
+    empty_cache(device_);
+    std::string path, line;
+    {
+      CheckpointData data;
+      for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
+      for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
+      if (!rng) rng = default_generator().state();
+      data.trainer_state = {{"global_step", step},
+                            {"epoch", epoch},
+                            {"window", window},
+                            {"samples", samples},
+                            {"tokens", tokens},
+                            {"loss_sum", loss_to_json(loss_total.value())},
+                            {"logged_step", logged_step},
+                            {"logged_loss_sum", loss_to_json(logged_total)},
+                            {"scheduler_steps", scheduler.steps()},
+                            {"rng_seed", rng->seed},
+                            {"rng_offset", rng->offset},
+                            {"plan", plan_.to_json()},
+                            {"args", args_.to_json()},
+                            {"skipped_steps", skipped},
+                            {"train_examples", train_set_.size()},
+                            {"train_fingerprint", fingerprint}};
+      if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
+      // The log up to and including this save's own line (Note [A used output_dir]); the path is
+      // save_checkpoint's, output_dir/checkpoint-<step>.
+      line = nlohmann::json{{"event", "save"},
+                            {"step", step},
+                            {"path", (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string()}}
+                 .dump() + "\n";
+      log_file.flush();
+      data.trainer_state["log_bytes"] = static_cast<std::int64_t>(log_file.tellp()) + static_cast<std::int64_t>(line.size());
+      path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
+    }
+    empty_cache(device_);
     MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos, "checkpoint saved as {}", path);
     log_file << line;
     log_file.flush();
