@@ -246,10 +246,25 @@ Tensor in_place_grad(const Tensor& t) {
   return fits ? grad : Tensor();
 }
 
+void set_view_base(const Tensor& view, const Tensor& base) {
+  const TensorImpl* b = base.impl();
+  std::shared_ptr<TensorImpl> kept = b->no_grad_base;
+  if (!kept && !grad_mode_enabled() && b->requires_grad) kept = base.impl_ptr();
+  view.impl()->no_grad_base = std::move(kept);
+}
+
 void check_inplace(const Tensor& t, const char* op) {
-  MB_CHECK(!(grad_mode_enabled() && t.requires_grad()),
+  if (!grad_mode_enabled()) return;
+  MB_CHECK(!t.requires_grad(),
            "[{}] in-place change of a tensor that requires grad; do it under NoGradGuard or on a "
-           "detached copy", op);
+           "detached copy",
+           op);
+  // Note [Views made under no_grad].
+  const TensorImpl* base = t.impl()->no_grad_base.get();
+  MB_CHECK(base == nullptr || !base->requires_grad,
+           "[{}] in-place change, with grad mode on, of a view made under NoGradGuard of a tensor "
+           "that requires grad; make the change under NoGradGuard too, or on a clone()",
+           op);
 }
 
 // ---- the engine --------------------------------------------------------------------------------

@@ -198,7 +198,24 @@ void set_history(std::vector<Tensor>& outputs, const std::shared_ptr<Node>& node
 /// The edge along which a gradient for t flows (its grad_fn, or its leaf's AccumulateGrad).
 Edge gradient_edge(const Tensor& t);
 
-/// Refuses an in-place change of a tensor that autograd must see unchanged.
+// Note [Views made under no_grad]: in-place ops are not recorded, so with grad mode on they
+// refuse a tensor that requires grad. A view made under NoGradGuard of such a tensor requires no
+// grad itself, yet writing it changes the base behind autograd's back; as torch ("A view was
+// created in no_grad mode and is being modified inplace with grad mode enabled"), that is refused
+// too while the base requires grad: write it under NoGradGuard, as it was made, or write a
+// clone(). Such a view keeps its base (a view of it, made in either mode, keeps the same base),
+// as torch's view keeps its ._base. Only a base that requires grad when the view is made is kept,
+// so the views that backward formulas make of gradients hold no extra handle (Note [Summing
+// gradients in place] counts them); a base that starts to require grad later is not seen.
+// detach() makes no such view: its writes are allowed, and the version counter it shares still
+// catches a saved tensor. split's pieces are marked as made in the caller's grad mode.
+
+/// Gives `view`, just made of `base`, the base that check_inplace consults: base's own, else base
+/// itself when grad mode is off and base requires grad (Note [Views made under no_grad]).
+void set_view_base(const Tensor& view, const Tensor& base);
+
+/// Refuses an in-place change of a tensor that autograd must see unchanged (Note [Views made
+/// under no_grad]).
 void check_inplace(const Tensor& t, const char* op);
 
 // ---- running backward --------------------------------------------------------------------------

@@ -56,7 +56,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor masked_fill(const Tensor& a, const Tensor& mask, double value);
 /// Conversion to another dtype; differentiable between floating dtypes.
 Tensor cast(const Tensor& a, DType dtype);
-/// In place, not recorded: dst += weight * src (src is cast to dst's dtype; shapes equal).
+/// In place, not recorded: dst += weight * src (src is cast to dst's dtype; shapes equal). As
+/// copy_, refused with grad mode on for a dst that requires grad (or a no_grad view of one).
 void accumulate_(Tensor& dst, const Tensor& src, double weight);
 
 Tensor operator+(const Tensor& a, const Tensor& b);

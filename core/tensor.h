@@ -143,7 +143,8 @@ class Tensor {
   Tensor to(DType dtype) const;
   Tensor to(Device device, DType dtype) const;
 
-  // in place (not recorded by autograd; refused on tensors that require grad while grad mode is on)
+  // in place (not recorded by autograd; with grad mode on, refused on tensors that require grad
+  // and on views made under no_grad of such tensors: Note [Views made under no_grad])
   Tensor& zero_();
   /// Sets every element to value, which an integer dtype must hold (holds_value).
   Tensor& fill_(double value);
@@ -172,6 +173,10 @@ struct TensorImpl {
   std::shared_ptr<Node> grad_fn;  // null for leaves
   int output_nr = 0;              // which output of grad_fn this tensor is
   std::weak_ptr<Node> grad_accumulator;
+  // Set on a view made under no_grad of a tensor that requires grad (or of such a view): that
+  // tensor, whose requires_grad decides whether in-place ops may write this view in grad mode
+  // (Note [Views made under no_grad] in core/autograd.h).
+  std::shared_ptr<TensorImpl> no_grad_base;
 };
 
 std::ostream& operator<<(std::ostream& os, const Tensor& t);

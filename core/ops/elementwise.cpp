@@ -366,6 +366,7 @@ Tensor cast(const Tensor& a, DType dtype) {
 }
 
 void accumulate_(Tensor& dst, const Tensor& src, double weight) {
+  check_inplace(dst, "accumulate_");  // not recorded, as copy_ (backward runs under no_grad)
   check_same_device("accumulate_", {dst, src});
   MB_CHECK(dst.shape() == src.shape(), "[accumulate_] shapes differ: {} += {}",
            shape_str(dst.shape()), shape_str(src.shape()));

@@ -78,6 +78,7 @@ std::vector<Tensor> split(const Tensor& a, const std::vector<std::int64_t>& size
       start += n;
     }
   }
+  for (const Tensor& p : pieces) set_view_base(p, a);  // as made in the caller's grad mode
   record_multi("split", {a}, pieces,
                [from = a.shape(), dtype = a.dtype(), device = a.device(), sizes,
                 d](std::vector<Tensor> grads) {

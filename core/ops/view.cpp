@@ -13,7 +13,9 @@ namespace microbatch {
 namespace {
 
 Tensor as_view(const Tensor& base, const Shape& shape, const Shape& strides, std::int64_t offset) {
-  return make_strided(base.storage(), shape, strides, offset, base.dtype());
+  Tensor view = make_strided(base.storage(), shape, strides, offset, base.dtype());
+  set_view_base(view, base);  // Note [Views made under no_grad] in core/autograd.h
+  return view;
 }
 
 // A view's shape must be one the kernels take (kview refuses more dims only at the next op).

@@ -332,6 +332,108 @@ TEST_CASE("in-place changes of tensors that require grad are refused while grad 
   CHECK(x.to_vector() == std::vector<double>{3, 3});
 }
 
+// Note [Views made under no_grad] in core/autograd.h; torch 1.13 raises "A view was created in
+// no_grad mode and is being modified inplace with grad mode enabled" for the refused cases.
+TEST_CASE("no_grad views of tensors that require grad refuse in-place changes with grad mode on") {
+  Tensor x = leaf({1, 2, 3, 4}, {4});
+  const std::vector<double> before = x.to_vector();
+  const Tensor zero2 = zeros({2}, {.dtype = DType::f64});
+  SUBCASE("each view op, and each in-place op") {
+    Tensor v, r, s, t, sel;
+    std::vector<Tensor> pieces, chunks;
+    {
+      NoGradGuard no_grad;
+      v = x.slice(0, 0, 2);
+      r = x.view({2, 2});
+      s = x.reshape({4, 1}).squeeze(1);
+      t = x.view({2, 2}).t();
+      sel = x.select(0, 3);
+      pieces = split(x, 2);
+      chunks = chunk(x, 2);
+    }
+    CHECK_FALSE(v.requires_grad());
+    check_throws_with([&] { v.fill_(0.0); },
+                      "[fill_] in-place change, with grad mode on, of a view made under "
+                      "NoGradGuard of a tensor that requires grad");
+    check_throws_with([&] { v.zero_(); }, "view made under NoGradGuard");
+    check_throws_with([&] { v.copy_(zero2); }, "[copy_] in-place change, with grad mode on");
+    check_throws_with([&] { r.fill_(0.0); }, "view made under NoGradGuard");
+    check_throws_with([&] { s.fill_(0.0); }, "view made under NoGradGuard");
+    check_throws_with([&] { t.fill_(0.0); }, "view made under NoGradGuard");
+    check_throws_with([&] { sel.fill_(0.0); }, "view made under NoGradGuard");
+    check_throws_with([&] { pieces[1].copy_(zero2); }, "view made under NoGradGuard");
+    check_throws_with([&] { chunks[0].zero_(); }, "view made under NoGradGuard");
+    check_throws_with([&] { accumulate_(v, zero2, 1.0); }, "[accumulate_] in-place change, with");
+    // accumulate_ is in place and unrecorded as copy_ is: the tensor itself is refused too.
+    check_throws_with([&] { accumulate_(x, zeros({4}, {.dtype = DType::f64}), 1.0); },
+                      "[accumulate_] in-place change of a tensor that requires grad");
+    CHECK(x.to_vector() == before);
+  }
+  SUBCASE("of a non-leaf") {
+    Tensor a = x * 2.0;
+    Tensor v;
+    {
+      NoGradGuard no_grad;
+      v = a.view({2, 2});
+    }
+    check_throws_with([&] { v.fill_(0.0); }, "view made under NoGradGuard");
+    CHECK(a.to_vector() == std::vector<double>{2, 4, 6, 8});
+  }
+  SUBCASE("a view of such a view, even one made with grad mode on") {
+    Tensor v;
+    {
+      NoGradGuard no_grad;
+      v = x.slice(0, 1, 4);
+    }
+    Tensor w = v.slice(0, 0, 1).unsqueeze(0);
+    CHECK_FALSE(w.requires_grad());
+    check_throws_with([&] { w.fill_(0.0); }, "view made under NoGradGuard");
+    CHECK(x.to_vector() == before);
+  }
+  SUBCASE("allowed under NoGradGuard, as the view was made") {
+    Tensor v;
+    {
+      NoGradGuard no_grad;
+      v = x.slice(0, 0, 2);
+      v.fill_(0.0);
+    }
+    CHECK(x.to_vector() == std::vector<double>{0, 0, 3, 4});
+  }
+  SUBCASE("allowed when the base does not require grad, then or now") {
+    Tensor y = from_vector({1, 2, 3}, {3}, {.dtype = DType::f64});
+    Tensor v, u;
+    {
+      NoGradGuard no_grad;
+      v = y.slice(0, 0, 2);
+      u = x.slice(0, 0, 2);
+    }
+    v.fill_(0.0);
+    CHECK(y.to_vector() == std::vector<double>{0, 0, 3});
+    x.requires_grad_(false);  // as torch, the base's flag when the view is written counts
+    u.fill_(0.0);
+    CHECK(x.to_vector() == std::vector<double>{0, 0, 3, 4});
+  }
+  SUBCASE("a detached copy of such a view may be written") {
+    Tensor v;
+    {
+      NoGradGuard no_grad;
+      v = x.slice(0, 0, 2);
+    }
+    v.detach().fill_(0.0);
+    CHECK(x.to_vector() == std::vector<double>{0, 0, 3, 4});
+  }
+}
+
+// As torch 1.13: detach() gives the same memory and version counter without history.
+TEST_CASE("in-place changes through detach() reach the base and trip the version check") {
+  Tensor x = leaf({1, 2, 3}, {3});
+  Tensor y = sum(x * x);  // mul saves x
+  Tensor d = x.detach();
+  d.fill_(0.0);  // grad mode on: allowed, d requires no grad and is no view made under no_grad
+  CHECK(x.to_vector() == std::vector<double>{0, 0, 0});
+  check_throws_with([&] { y.backward(); }, "mul saved for backward was modified in place");
+}
+
 // ---- gradients returned instead of accumulated -------------------------------------------------
 
 TEST_CASE("microbatch::grad returns gradients without touching the inputs' .grad") {
