@@ -139,13 +139,11 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options) {
   return batch;
 }
 
-LongestExample longest_example(const Dataset& data) {
-  LongestExample longest;
-  for (std::int64_t i = 0; i < data.size(); ++i) {
-    const std::int64_t length = data.get(i).input.numel();
-    if (i == 0 || length > longest.length) longest = {.index = i, .length = length};
-  }
-  return longest;
+std::vector<std::int64_t> sequence_lengths(const Dataset& data) {
+  std::vector<std::int64_t> lengths;
+  lengths.reserve(static_cast<std::size_t>(data.size()));
+  for (std::int64_t i = 0; i < data.size(); ++i) lengths.push_back(data.get(i).input.numel());
+  return lengths;
 }
 
 std::string label_fingerprint(const Dataset& data) {

@@ -91,12 +91,15 @@ std::string label_fingerprint(const Dataset& data);
 
 /// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
 /// length: what a plan for variable-length sequences is measured on (Note [Token-budget
-/// micro-batches] in train/trainer.cpp). Reads every example once.
+/// micro-batches] in train/trainer.cpp).
 struct LongestExample {
   std::int64_t index = 0;
   std::int64_t length = 0;
 };
-LongestExample longest_example(const Dataset& data);
+/// Every example's input elements (a sequence's tokens), in order: what a plan for
+/// variable-length sequences reads its longest example and its micro-batch shapes from. Reads
+/// every example once.
+std::vector<std::int64_t> sequence_lengths(const Dataset& data);
 
 /// The sample order of one epoch: 0..n-1 shuffled by a Fisher–Yates pass driven by a
 /// std::mt19937_64 seeded from (seed, epoch) alone, so it never touches the global generator and

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -54,10 +55,12 @@ struct MemoryPlan {
   std::int64_t accumulation_steps = 0;  // ceil(effective_batch / micro_batch_size)
   std::int64_t effective_batch = 0;     // held fixed (train_batch_size)
   bool gradient_checkpointing = false;
-  std::int64_t predicted_peak = 0;  // bytes of reserved memory at a training window's peak
+  /// Bytes of reserved memory at a training window's peak; with sequences of many lengths, at the
+  /// run's, which may pass the usable budget (Note [Mixed lengths] in train/planner.cpp).
+  std::int64_t predicted_peak = 0;
   MemoryBreakdown breakdown;
   std::int64_t budget = 0;
-  double margin = 0.05;  // the plan's peak must be <= budget * (1 - margin)
+  double margin = 0.05;  // the plan's window peak must be <= budget * (1 - margin)
   Device device = kCPU;  // the training device the plan is for
   std::vector<DeviceOverhead> outside_budget;  // device_overheads(device)
   /// Token data: the sequence length every planned row had, the training set's longest (Note
@@ -68,12 +71,21 @@ struct MemoryPlan {
   nlohmann::json to_json() const;
 };
 
+/// The shape of a micro-batch of token sequences: `rows` sequences, each padded to `length` tokens.
+struct PackedShape {
+  std::int64_t rows = 0;
+  std::int64_t length = 0;
+  auto operator<=>(const PackedShape&) const = default;
+};
+
 /// Builds a fresh model for measurement; the argument says whether to checkpoint activations.
 using ModelFactory = std::function<std::unique_ptr<nn::Model>(bool gradient_checkpointing)>;
 /// A batch of n samples shaped like the training data (values irrelevant: it will be moved to
 /// meta). A host batch counts as the copy a training step makes of it on the device; a meta batch
 /// counts as whatever its making allocated on meta.
 using SampleBatchFn = std::function<Batch(std::int64_t n)>;
+/// A batch of that shape, counted as SampleBatchFn's batches are.
+using SamplePackedFn = std::function<Batch(PackedShape shape)>;
 
 struct PlannerConfig {
   std::int64_t budget = 0;  // bytes
@@ -90,6 +102,11 @@ struct PlannerConfig {
   optim::ParamStoreOptions store{};  // the arenas counted (a 16-bit compute dtype adds a master copy)
   /// The training device: meta mirrors its allocator and its kernels' allocations (MetaBackendGuard).
   Device device = kCPU;
+  /// Token sequences of different lengths (Note [Mixed lengths]): the distinct shapes of the
+  /// micro-batches a run makes when its micro-batch size is n (n rows of the longest length), in
+  /// the order it first meets them. Unset for data whose micro-batches all have the window's shape.
+  std::function<std::vector<PackedShape>(std::int64_t n)> packed_shapes;
+  SamplePackedFn sample_packed;  // a batch of one of packed_shapes' shapes; set with it
 };
 
 class MemoryPlanner {
@@ -101,9 +118,10 @@ class MemoryPlanner {
   /// on the meta device. Leaves no allocation behind on meta or on the CPU, nor a changed RNG.
   /// The model is built on meta (nn::DeviceScope): its layers' parameters take no host memory.
   MemoryBreakdown predict(std::int64_t n, bool checkpointing);
-  /// The plan with the best expected throughput (Note [Expected throughput]) whose predicted peak
-  /// fits budget * (1 - margin). Throws OutOfMemoryError (a microbatch::Error) saying how much is
-  /// needed when even one sample does not fit, or when a fixed micro_batch_size does not.
+  /// The plan with the best expected throughput (Note [Expected throughput]) whose window fits
+  /// budget * (1 - margin). Throws OutOfMemoryError (a microbatch::Error) saying how much is
+  /// needed when even one sample does not fit, or when a fixed micro_batch_size does not. With
+  /// packed_shapes the plan's predicted peak may pass the usable budget (Note [Mixed lengths]).
   MemoryPlan plan();
   /// A micro-batch size n (at most the effective batch) whose predicted window peak fits while the
   /// peak of n + 1 does not, for a given checkpointing choice (0 if none), in O(log n)
@@ -112,20 +130,28 @@ class MemoryPlanner {
   std::int64_t max_micro_batch(bool checkpointing);
   /// Predicted peak of a window of micro-batches of n (the last one smaller when n does not divide
   /// the effective batch) followed by the next window's first micro-batch: the steady-state peak of
-  /// training with that micro-batch size (Note [Uneven windows]). Plans are judged by this.
+  /// training with that micro-batch size (Note [Uneven windows]). Plans are judged by this, but
+  /// for packed_shapes: the run's micro-batch shapes are then measured first, on the same model,
+  /// and plans are judged by the window alone (Note [Mixed lengths]).
   MemoryBreakdown predict_window(std::int64_t n, bool checkpointing);
-  /// budget * (1 - margin), rounded down: the most a plan's predicted peak may be.
+  /// budget * (1 - margin), rounded down: the most a plan's window peak may be.
   std::int64_t usable_budget() const { return usable_; }
 
  private:
+  /// The window of n alone, without packed_shapes' micro-batches: what plans are judged by.
+  MemoryBreakdown window(std::int64_t n, bool checkpointing);
   bool fits(std::int64_t n, bool checkpointing);
   /// A size in [floor, miss) whose window fits while the next one's does not, given that miss's
   /// does not fit (0 if none down to floor does): down one size at a time for `walk` sizes, then by
   /// doubling strides, then bisecting (Note [Searching for the micro-batch]).
   std::int64_t search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
                            bool checkpointing);
-  /// The peak of micro-batches of these sizes in sequence, on one model (memoized).
-  MemoryBreakdown measure(const std::vector<std::int64_t>& sizes, bool checkpointing);
+  /// packed_shapes(n), memoized; empty without it.
+  const std::vector<PackedShape>& run_shapes(std::int64_t n);
+  /// The peak of micro-batches of these shapes and then of these sizes in sequence, on one model
+  /// (memoized).
+  MemoryBreakdown measure(const std::vector<PackedShape>& shapes,
+                          const std::vector<std::int64_t>& sizes, bool checkpointing);
   std::vector<std::int64_t> window_sizes(std::int64_t n) const;
   MemoryPlan make_plan(std::int64_t n, bool checkpointing);
   [[noreturn]] void throw_too_small(bool checkpointing);
@@ -134,8 +160,9 @@ class MemoryPlanner {
   SampleBatchFn sample_;
   PlannerConfig config_;
   std::int64_t usable_ = 0;
-  std::map<std::pair<std::vector<std::int64_t>, bool>, MemoryBreakdown>
-      predictions_;  // (sizes, ckpt)
+  std::map<std::tuple<std::vector<PackedShape>, std::vector<std::int64_t>, bool>, MemoryBreakdown>
+      predictions_;  // (shapes, sizes, ckpt)
+  std::map<std::int64_t, std::vector<PackedShape>> packed_;  // n -> run_shapes(n)
 };
 
 }  // namespace microbatch::train

@@ -13,7 +13,9 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "optim/boundary_step.h"
@@ -65,6 +67,89 @@ std::optional<DType> gradient_dtype_of(const TrainingArguments& args) {
   if (args.gradient_accumulation_dtype == "f32") return std::nullopt;
   return parse_dtype(args.gradient_accumulation_dtype);
 }
+
+using Chunk = std::vector<std::int64_t>;
+
+std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::int64_t micro) {
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < indices.size(); i += static_cast<std::size_t>(micro)) {
+    chunks.emplace_back(indices.begin() + static_cast<std::ptrdiff_t>(i),
+                        indices.begin() + static_cast<std::ptrdiff_t>(std::min(indices.size(), i + micro)));
+  }
+  return chunks;
+}
+
+// Note [Token-budget micro-batches]: with variable-length sequences a micro-batch's memory follows
+// its padded tokens (rows x longest row), not its row count. The plan is measured with every row
+// as long as the training set's longest sequence (T_max), so that a micro-batch of any of its
+// sequences, one sample alone included, is within what was measured; micro x T_max is the token
+// count known to fit. Each window is packed greedily, in order, into micro-batches that stay
+// within it. Packing by tokens keeps attention's T^2 scores within the plan too: rows x T <=
+// micro x T_max with T <= T_max gives rows x T^2 <= micro x T_max^2. The micro-batches' many shapes
+// leave the allocator more cache than a window at T_max does (blocks cached for one size do not
+// serve a much smaller one), and the plan's predicted peak counts it: the planner measures the
+// shapes of the run's own micro-batches first (run_shapes; Note [Mixed lengths] in
+// train/planner.cpp), and that is the run's peak to within 0.2%. Where that passes the budget the
+// plan says so, and the run keeps within the budget, as the allocator hands its cache back before
+// it takes a block past it.
+std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const std::vector<std::int64_t>& lengths,
+                               std::int64_t token_budget) {
+  std::vector<Chunk> chunks;
+  Chunk current;
+  std::int64_t longest = 0;
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    const std::int64_t l = lengths[i];
+    const std::int64_t rows = static_cast<std::int64_t>(current.size()) + 1;
+    if (!current.empty() && rows * std::max(longest, l) > token_budget) {
+      chunks.push_back(std::move(current));
+      current.clear();
+      longest = 0;
+    }
+    current.push_back(indices[i]);
+    longest = std::max(longest, l);
+  }
+  if (!current.empty()) chunks.push_back(std::move(current));
+  return chunks;
+}
+
+// The most windows of a run, and the most distinct micro-batch shapes, that a plan for token
+// sequences of different lengths reads and measures (Note [Mixed lengths] in train/planner.cpp).
+// A run past either is predicted from its first ones, and may cache more later.
+constexpr std::int64_t kWindowsScanned = std::int64_t{1} << 16;
+constexpr std::size_t kShapesMeasured = 256;
+
+// The distinct shapes (rows, padded length) of the micro-batches of a run's first `windows`
+// windows, in the order the run first meets them: packed within `token_budget` padded tokens, or
+// `micro` rows to a micro-batch when token_budget is 0. The windows are the Trainer's: the loader's
+// batches of `effective` samples, shuffled with `seed` (Note [Mixed lengths] in train/planner.cpp).
+std::vector<PackedShape> run_shapes(const Dataset& data, const std::vector<std::int64_t>& lengths,
+                                    std::int64_t effective, std::uint64_t seed,
+                                    std::int64_t windows, std::int64_t micro,
+                                    std::int64_t token_budget) {
+  DataLoader loader(data, {.batch_size = effective, .shuffle = true, .seed = seed, .prefetch = 0});
+  const std::int64_t per_epoch = loader.num_batches();
+  std::vector<PackedShape> shapes;
+  std::set<PackedShape> seen;
+  for (std::int64_t w = 0; w < windows; ++w) {
+    if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
+    const std::vector<std::int64_t> indices = loader.batch_indices(w % per_epoch);
+    std::vector<std::int64_t> window_lengths;
+    for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
+    const std::vector<Chunk> chunks = token_budget > 0
+                                          ? pack_window(indices, window_lengths, token_budget)
+                                          : split_window(indices, micro);
+    for (const Chunk& chunk : chunks) {
+      PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
+      for (std::int64_t i : chunk)
+        shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
+      if (!seen.insert(shape).second) continue;
+      shapes.push_back(shape);
+      if (shapes.size() == kShapesMeasured) return shapes;
+    }
+  }
+  return shapes;
+}
+
 }  // namespace
 
 std::optional<DType> Trainer::gradient_dtype() const { return gradient_dtype_of(args_); }
@@ -110,7 +195,53 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   // Token sequences of different lengths are planned at the longest (Note [Token-budget
   // micro-batches]): a row shorter than it is measured as that longest example.
   const bool token_labels = train_set.get(0).label.dim() > 0;
-  const LongestExample longest = token_labels ? longest_example(train_set) : LongestExample{};
+  const std::vector<std::int64_t> lengths =
+      token_labels ? sequence_lengths(train_set) : std::vector<std::int64_t>{};
+  LongestExample longest;
+  std::map<std::int64_t, std::int64_t> example_of_length;  // the first example of each length
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    const auto index = static_cast<std::int64_t>(i);
+    if (lengths[i] > longest.length) longest = {.index = index, .length = lengths[i]};
+    example_of_length.emplace(lengths[i], index);
+  }
+  auto batch_of = [&](std::vector<Example> examples) {
+    // On a GPU the batch is collated on the host: its one copy to the device is what counts, and
+    // the planner makes that copy on meta.
+    if (!device.is_cpu()) return collate(examples);
+    // On the CPU it is collated on meta, so that what a real collate allocates (and the cache
+    // blocks it leaves) is counted like the training loop's: an example the dataset made afresh is
+    // a meta allocation; one that views the dataset's own tensors allocates nothing.
+    auto to_meta = [](const Tensor& t) {
+      const bool fresh = t.storage().use_count() == 1 && t.storage()->nbytes == t.nbytes();
+      if (fresh) return t.to(kMeta);
+      return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(), contiguous_strides(t.shape()), 0,
+                          t.dtype());
+    };
+    for (Example& e : examples) e = {to_meta(e.input), to_meta(e.label)};
+    return collate(examples);
+  };
+  if (example_of_length.size() > 1) {
+    // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
+    // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
+    const std::int64_t size = train_set.size(), effective = triad.effective;
+    const auto per_epoch = static_cast<double>(size / effective + (size % effective != 0));
+    const double epoch_windows = std::ceil(args.num_train_epochs * per_epoch);  // as train()'s
+    const std::int64_t windows =
+        args.max_steps > 0 ? std::min(args.max_steps, kWindowsScanned)
+                           : static_cast<std::int64_t>(
+                                 std::min(epoch_windows, static_cast<double>(kWindowsScanned)));
+    config.packed_shapes = [&, windows](std::int64_t n) {
+      return run_shapes(train_set, lengths, triad.effective, args.seed, windows, n,
+                        args.pack_by_tokens ? n * longest.length : 0);
+    };
+    // Rows of the shape's length, each read afresh as the training loop reads them.
+    config.sample_packed = [&](PackedShape shape) {
+      std::vector<Example> examples;
+      for (std::int64_t i = 0; i < shape.rows; ++i)
+        examples.push_back(train_set.get(example_of_length.at(shape.length)));
+      return batch_of(std::move(examples));
+    };
+  }
   // Measuring builds models: keep the random stream the training run will see untouched.
   const GeneratorState rng = default_generator().state();
   MemoryPlanner planner(
@@ -126,20 +257,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
           if (token_labels && e.input.numel() < longest.length) e = train_set.get(longest.index);
           examples.push_back(std::move(e));
         }
-        // On a GPU the batch is collated on the host: its one copy to the device is what counts,
-        // and the planner makes that copy on meta.
-        if (!device.is_cpu()) return collate(examples);
-        // On the CPU it is collated on meta, so that what a real collate allocates (and the cache
-        // blocks it leaves) is counted like the training loop's: an example the dataset made afresh
-        // is a meta allocation; one that views the dataset's own tensors allocates nothing.
-        auto to_meta = [](const Tensor& t) {
-          const bool fresh = t.storage().use_count() == 1 && t.storage()->nbytes == t.nbytes();
-          if (fresh) return t.to(kMeta);
-          return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(), contiguous_strides(t.shape()), 0,
-                              t.dtype());
-        };
-        for (Example& e : examples) e = {to_meta(e.input), to_meta(e.label)};
-        return collate(examples);
+        return batch_of(std::move(examples));
       },
       config);
   MemoryPlan p;
@@ -273,47 +391,6 @@ class LossSum {
   double host_;         // the whole sum on the CPU; on a GPU, what came before device_sum_
   Tensor device_sum_;  // () f64 on the device, or undefined
 };
-
-using Chunk = std::vector<std::int64_t>;
-
-std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::int64_t micro) {
-  std::vector<Chunk> chunks;
-  for (std::size_t i = 0; i < indices.size(); i += static_cast<std::size_t>(micro)) {
-    chunks.emplace_back(indices.begin() + static_cast<std::ptrdiff_t>(i),
-                        indices.begin() + static_cast<std::ptrdiff_t>(std::min(indices.size(), i + micro)));
-  }
-  return chunks;
-}
-
-// Note [Token-budget micro-batches]: with variable-length sequences a micro-batch's memory follows
-// its padded tokens (rows x longest row), not its row count. The plan is measured with every row
-// as long as the training set's longest sequence (T_max), so that a micro-batch of any of its
-// sequences, one sample alone included, is within what was measured; micro x T_max is the token
-// count known to fit. Each window is packed greedily, in order, into micro-batches that stay
-// within it. Packing by tokens keeps attention's T^2 scores within the plan too: rows x T <=
-// micro x T_max with T <= T_max gives rows x T^2 <= micro x T_max^2. What the plan cannot see is
-// the allocator's cache across windows of different shapes (blocks cached for one length do not
-// serve another), so on such data the measured peak may pass the prediction; the budget still
-// holds, as the allocator hands its cache back before it refuses a request.
-std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const std::vector<std::int64_t>& lengths,
-                               std::int64_t token_budget) {
-  std::vector<Chunk> chunks;
-  Chunk current;
-  std::int64_t longest = 0;
-  for (std::size_t i = 0; i < indices.size(); ++i) {
-    const std::int64_t l = lengths[i];
-    const std::int64_t rows = static_cast<std::int64_t>(current.size()) + 1;
-    if (!current.empty() && rows * std::max(longest, l) > token_budget) {
-      chunks.push_back(std::move(current));
-      current.clear();
-      longest = 0;
-    }
-    current.push_back(indices[i]);
-    longest = std::max(longest, l);
-  }
-  if (!current.empty()) chunks.push_back(std::move(current));
-  return chunks;
-}
 
 }  // namespace
 
