@@ -209,15 +209,25 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // the planner makes that copy on meta.
     if (!device.is_cpu()) return collate(examples);
     // On the CPU it is collated on meta, so that what a real collate allocates (and the cache
-    // blocks it leaves) is counted like the training loop's: an example the dataset made afresh is
-    // a meta allocation; one that views the dataset's own tensors allocates nothing.
-    auto to_meta = [](const Tensor& t) {
-      const bool fresh = t.storage().use_count() == 1 && t.storage()->nbytes == t.nbytes();
-      if (fresh) return t.to(kMeta);
-      return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(), contiguous_strides(t.shape()), 0,
-                          t.dtype());
-    };
-    for (Example& e : examples) e = {to_meta(e.input), to_meta(e.label)};
+    // blocks it leaves) is counted like the training loop's. Memory the example alone holds (the
+    // dataset made it afresh: its input and label may be views of one such tensor) is a meta
+    // allocation of the same bytes, live as long as the example; a view of the dataset's own
+    // tensors allocates nothing.
+    for (Example& e : examples) {
+      const bool shared = e.input.storage() == e.label.storage();
+      std::shared_ptr<Storage> own;  // the meta copy of a storage the two views share
+      auto to_meta = [&](const Tensor& t) {
+        if (t.storage().use_count() != (shared ? 2 : 1)) {
+          return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(),
+                              contiguous_strides(t.shape()), 0, t.dtype());
+        }
+        std::shared_ptr<Storage> meta =
+            shared && own ? own : std::make_shared<Storage>(t.storage()->nbytes, kMeta);
+        if (shared) own = meta;
+        return make_strided(meta, t.shape(), t.strides(), t.offset(), t.dtype());
+      };
+      e = {to_meta(e.input), to_meta(e.label)};
+    }
     return collate(examples);
   };
   if (example_of_length.size() > 1) {
