@@ -35,6 +35,8 @@ class LRScheduler {
   std::int64_t steps() const { return steps_; }
   void set_steps(std::int64_t steps);
   double base_lr() const { return base_lr_; }
+  /// The optimizer whose learning rate it sets.
+  const Optimizer& optimizer() const { return optimizer_; }
   /// The schedule's position (steps taken), for checkpoints.
   std::map<std::string, Tensor> state_dict() const;
   void load_state_dict(const std::map<std::string, Tensor>& state);

@@ -1,5 +1,7 @@
 #include "train/accelerator.h"
 
+#include "nn/models.h"
+
 namespace microbatch::train {
 
 WindowedLoader::WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps,
@@ -19,16 +21,35 @@ WindowedLoader::WindowedLoader(DataLoader& loader, std::int64_t steps, Device de
   read_to_ = loader.state();
 }
 
+// Note [Cutting a window]: a window's micro-batches add their weighted gradients as they are
+// handed out, and its weights sum to 1 only over the whole window. Moving the loader part-way
+// through one (set_epoch, set_state, or the DataLoader's own) would start a fresh window on top
+// of the gradients already added: the next step would take more than one window's gradient, with
+// no error. So a move is refused until the window's last batch has been handed out; reset() drops
+// a window explicitly, leaving the gradients its micro-batches added to the caller (zero them with
+// the inner optimizer's zero_grad, or keep them).
+void WindowedLoader::check_between_windows(const char* what) const {
+  MB_CHECK(handed_ == 0,
+           "[WindowedLoader] {} with {} of this window's {} micro-batches handed out: their "
+           "gradients would add to the next window's; finish the window first, or call reset() to "
+           "drop it (zeroing the gradients its micro-batches added if they should not count)",
+           what, handed_, handed_ + static_cast<std::int64_t>(window_.size()));
+}
+
 std::optional<WindowBatch> WindowedLoader::next() {
   // The loader was moved on its own (loader.set_epoch / set_state): what was read ahead is no
   // longer what it would hand out next.
-  if (loader_ && loader_->state() != read_to_) reset();
+  if (loader_ && loader_->state() != read_to_) {
+    check_between_windows("the DataLoader was moved");
+    reset();
+  }
   if (window_.empty() && !read_window()) return std::nullopt;
   // Copy before taking the batch out, so a failed copy leaves it in the window for a retry.
   Batch on_device = window_.front().batch.to(device_);  // one copy, when it is needed
   WindowBatch out = std::move(window_.front());
   window_.pop_front();
   out.batch = std::move(on_device);
+  handed_ = window_.empty() ? 0 : handed_ + 1;
   return out;
 }
 
@@ -61,6 +82,7 @@ bool WindowedLoader::read_window() {
 void WindowedLoader::set_epoch(std::int64_t epoch) {
   MB_CHECK(loader_ != nullptr, "[WindowedLoader] set_epoch needs a DataLoader source "
            "(accelerator.prepare(loader)); after moving another source, call reset()");
+  check_between_windows("set_epoch()");
   loader_->set_epoch(epoch);
   reset();
 }
@@ -68,6 +90,7 @@ void WindowedLoader::set_epoch(std::int64_t epoch) {
 void WindowedLoader::set_state(LoaderState state) {
   MB_CHECK(loader_ != nullptr, "[WindowedLoader] set_state needs a DataLoader source "
            "(accelerator.prepare(loader)); after moving another source, call reset()");
+  check_between_windows("set_state()");
   loader_->set_state(state);
   reset();
 }
@@ -75,6 +98,7 @@ void WindowedLoader::set_state(LoaderState state) {
 void WindowedLoader::reset() {
   pending_.clear();
   window_.clear();
+  handed_ = 0;
   if (loader_) read_to_ = loader_->state();
 }
 
@@ -96,13 +120,36 @@ Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
   }
 }
 
+namespace {
+// Note [Items by the model's ignore_index]: a micro-batch's weight is its share of the window's
+// loss-bearing labels, those that are not the model's ignore_index (Note [Batch items]). The
+// DataLoader counts them by its collate option; a model that ignores another value (a GPT with
+// ignore_index = -1) would have its ignored labels counted, and every weight would be wrong with
+// no error. The Trainer builds its loaders from the model; here the two are checked.
+void check_ignore_index(std::int64_t model, std::int64_t loader) {
+  MB_CHECK(model == loader,
+           "[Accelerator] the DataLoader counts items with ignore_index {} but the model ignores "
+           "{}: the micro-batches' weights would count labels the loss ignores; build the loader "
+           "with .collate = {{.ignore_index = {}}}",
+           loader, model, model);
+}
+}  // namespace
+
 nn::Module& Accelerator::prepare_model(nn::Module& model) {
+  if (const auto* m = dynamic_cast<const nn::Model*>(&model)) {
+    for (std::int64_t loader : loader_ignore_indices_) check_ignore_index(m->ignore_index(), loader);
+    model_ignore_index_ = m->ignore_index();
+  }
   model.to(device_);
   return model;
 }
 
 WindowedLoader Accelerator::prepare(DataLoader& loader) {
-  return WindowedLoader(loader, config_.gradient_accumulation_steps, device_);
+  const std::int64_t counted = loader.options().collate.ignore_index;
+  if (model_ignore_index_) check_ignore_index(*model_ignore_index_, counted);
+  WindowedLoader windows(loader, config_.gradient_accumulation_steps, device_);
+  loader_ignore_indices_.push_back(counted);
+  return windows;
 }
 
 WindowedLoader Accelerator::prepare(std::function<std::optional<Batch>()> next) {
@@ -139,6 +186,7 @@ void Accelerator::backward(const Tensor& loss, const Tensor& grad, BackwardOptio
 AcceleratedOptimizer::AcceleratedOptimizer(Accelerator& accelerator, optim::Optimizer& optimizer)
     : accelerator_(accelerator), optimizer_(optimizer), index_(accelerator.step_skipped_.size()) {
   accelerator_.step_skipped_.push_back(false);
+  accelerator_.prepared_optimizers_.push_back(&optimizer);
 }
 
 void AcceleratedOptimizer::step(optim::StepOptions options) {
@@ -159,6 +207,16 @@ void AcceleratedScheduler::step() {
   // As Accelerate's AcceleratedScheduler: the schedule moves with the optimizer, so only at a
   // boundary, and not when a prepared optimizer skipped its step (REFERENCE.md, loss scaling).
   if (!accelerator_.sync_gradients()) return;
+  // Its own optimizer's step decides, as Accelerate attaches a scheduler to the prepared optimizer
+  // it was made for (the latest preparation of it); only a scheduler whose optimizer was not
+  // prepared looks at them all.
+  const std::vector<const optim::Optimizer*>& prepared = accelerator_.prepared_optimizers_;
+  for (std::size_t i = prepared.size(); i-- > 0;) {
+    if (prepared[i] == &scheduler_.optimizer()) {
+      if (!accelerator_.step_skipped_[i]) scheduler_.step();
+      return;
+    }
+  }
   for (bool skipped : accelerator_.step_skipped_) {
     if (skipped) return;
   }

@@ -66,19 +66,30 @@ class WindowedLoader {
   WindowedLoader(std::function<std::optional<Batch>()> next, std::int64_t steps,
                  Device device = kCPU);
   /// Over a DataLoader with at least one batch; it must outlive this. Moving the loader drops the
-  /// read-ahead, whether through set_epoch() / set_state() here or on the loader itself.
+  /// read-ahead, whether through set_epoch() / set_state() here or on the loader itself; between
+  /// windows only (Note [Cutting a window]).
   WindowedLoader(DataLoader& loader, std::int64_t steps, Device device = kCPU);
+  /// One loader hands out each batch once: a copy would hand out the same read-ahead again.
+  WindowedLoader(const WindowedLoader&) = delete;
+  WindowedLoader& operator=(const WindowedLoader&) = delete;
+  WindowedLoader(WindowedLoader&&) = default;
+  WindowedLoader& operator=(WindowedLoader&&) = default;
   /// The next batch with its weight, or nullopt once the source has none (an epoch's end).
   std::optional<WindowBatch> next();
   /// loader.set_epoch(epoch) for a DataLoader source, and a fresh window from its first batch.
+  /// Refused while part of a window has been handed out (Note [Cutting a window]).
   void set_epoch(std::int64_t epoch);
-  /// loader.set_state(state) for a DataLoader source, and a fresh window from there.
+  /// loader.set_state(state) for a DataLoader source, and a fresh window from there. Refused
+  /// while part of a window has been handed out.
   void set_state(LoaderState state);
-  /// Drops the batches read ahead: the next window starts with the source's next batch.
+  /// Drops the batches read ahead: the next window starts with the source's next batch. Dropping
+  /// a window part of which was handed out is the caller's decision: the gradients its
+  /// micro-batches added stay, for the caller to zero or keep.
   void reset();
 
  private:
   bool read_window();
+  void check_between_windows(const char* what) const;
 
   std::function<std::optional<Batch>()> next_;
   DataLoader* loader_ = nullptr;  // the source, when it is a DataLoader
@@ -87,6 +98,7 @@ class WindowedLoader {
   Device device_;
   std::vector<Batch> pending_;      // the window being read; kept when the source throws
   std::deque<WindowBatch> window_;  // the complete window, weighted, on the host
+  std::int64_t handed_ = 0;         // batches of the current window handed out, before its last
 };
 
 class Accelerator;
@@ -142,7 +154,8 @@ class Accelerator {
   /// Where the model and batches go: config.device, else cuda:0 when present and not config.cpu,
   /// else the CPU.
   Device device() const { return device_; }
-  /// Moves the model to device(); call it before building the model's ParamStore.
+  /// Moves the model to device(); call it before building the model's ParamStore. For an
+  /// nn::Model, loaders prepared before or after must collate with its ignore_index.
   nn::Module& prepare_model(nn::Module& model);
   /// Windows over a DataLoader (which must outlive them): each batch comes with its window weight
   /// (Note [Exact accumulation]), on device(). Refuses a loader with no batches.
@@ -150,6 +163,8 @@ class Accelerator {
   /// The same over any batch source.
   WindowedLoader prepare(std::function<std::optional<Batch>()> next);
   AcceleratedOptimizer prepare(optim::Optimizer& optimizer) { return {*this, optimizer}; }
+  /// The scheduler skips a step when its own optimizer's last step was skipped (when that
+  /// optimizer was prepared; else when any prepared optimizer's was, as Accelerate does).
   AcceleratedScheduler prepare(optim::LRScheduler& scheduler) { return {*this, scheduler}; }
 
   /// Enters the scope of the micro-batch most recently taken from a prepared loader.
@@ -170,6 +185,9 @@ class Accelerator {
   bool sync_gradients_ = true;
   bool in_scope_ = false;
   std::vector<bool> step_skipped_;  // per prepared optimizer: its last boundary step was skipped
+  std::vector<const optim::Optimizer*> prepared_optimizers_;  // step_skipped_'s optimizers
+  std::optional<std::int64_t> model_ignore_index_;  // the prepared model's, when it is an nn::Model
+  std::vector<std::int64_t> loader_ignore_indices_;  // the prepared DataLoaders' collate options
 };
 
 }  // namespace microbatch::train

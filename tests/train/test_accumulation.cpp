@@ -2,6 +2,7 @@
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <type_traits>
 
 #include "examples/accumulation_styles.h"
 #include "tests/core/harness.h"
@@ -249,13 +250,20 @@ TEST_CASE("windowed loader: moving the DataLoader drops the window read ahead") 
   train::DataLoader reference(data, {.batch_size = 2, .shuffle = true, .seed = 3});
   train::Accelerator accelerator({.gradient_accumulation_steps = 4, .cpu = true});
   auto batches = accelerator.prepare(loader);
-  REQUIRE(batches.next());  // reads a window of four batches ahead
+  REQUIRE(batches.next());  // reads a window of four batches ahead and hands out the first
+  // Note [Cutting a window]: part of the window is out, its gradients added; a move is refused
+  // until the window ends, or until reset() drops it explicitly.
+  check_throws_with([&] { batches.set_epoch(1); },
+                    "[WindowedLoader] set_epoch() with 1 of this window's 4 micro-batches "
+                    "handed out");
+  batches.reset();
   batches.set_epoch(1);
   reference.set_epoch(1);
   auto first = batches.next();
   REQUIRE(first);
   CHECK(first->batch.indices == reference.batch_indices(0));
   CHECK(first->weight == 0.25);  // a fresh window of four
+  for (int i = 0; i < 3; ++i) REQUIRE(batches.next());  // the window ends: moves are free again
   // Moved on the DataLoader itself, as a resume from a checkpoint does: caught all the same.
   loader.set_state({.epoch = 2, .position = 5});
   reference.set_epoch(2);
@@ -263,6 +271,10 @@ TEST_CASE("windowed loader: moving the DataLoader drops the window read ahead") 
   REQUIRE(resumed);
   CHECK(resumed->batch.indices == reference.batch_indices(5));
   CHECK(resumed->weight == doctest::Approx(1.0 / 3.0));  // batches 5, 6, 7 end the epoch
+  // The DataLoader moved part-way through that window: refused at the next batch.
+  loader.set_epoch(0);
+  check_throws_with([&] { batches.next(); }, "the DataLoader was moved with 1 of this window's 3");
+  batches.reset();
   batches.set_state({.epoch = 0, .position = 1});
   reference.set_epoch(0);
   CHECK(batches.next()->batch.indices == reference.batch_indices(1));
@@ -274,6 +286,57 @@ TEST_CASE("windowed loader: moving the DataLoader drops the window read ahead") 
   blind.reset();
   reference.set_epoch(1);
   CHECK(blind.next()->batch.indices == reference.batch_indices(0));
+}
+
+TEST_CASE("Accelerator: loaders count items by the prepared model's ignore_index") {
+  // Note [Items by the model's ignore_index]: a GPT that ignores -1, with a loader counting by
+  // the default -100, would weigh micro-batches by labels the loss ignores, with no error.
+  nn::GPT gpt({.vocab_size = 8, .block_size = 4, .n_layer = 1, .n_head = 1, .n_embd = 4,
+               .ignore_index = -1});
+  train::TensorDataset data(zeros({4, 4}, {.dtype = DType::i64}), zeros({4, 4}, {.dtype = DType::i64}));
+  train::DataLoader counts_default(data, {.batch_size = 2});
+  train::DataLoader counts_model(data, {.batch_size = 2, .collate = {.ignore_index = -1}});
+  {
+    train::Accelerator accelerator({.gradient_accumulation_steps = 2, .cpu = true});
+    accelerator.prepare_model(gpt);
+    check_throws_with([&] { accelerator.prepare(counts_default); },
+                      "[Accelerator] the DataLoader counts items with ignore_index -100 but the "
+                      "model ignores -1");
+    auto batches = accelerator.prepare(counts_model);
+    CHECK(batches.next());
+  }
+  {  // prepared the other way round
+    train::Accelerator accelerator({.gradient_accumulation_steps = 2, .cpu = true});
+    auto batches = accelerator.prepare(counts_default);
+    check_throws_with([&] { accelerator.prepare_model(gpt); }, "but the model ignores -1");
+  }
+  static_assert(!std::is_copy_constructible_v<train::WindowedLoader>,
+                "a copy would hand out the same read-ahead batches again");
+}
+
+TEST_CASE("Accelerator: a scheduler skips only when its own optimizer skipped") {
+  // As Accelerate attaches each prepared scheduler to its optimizer: B's schedule moves with B's
+  // steps whatever A does.
+  Scalar a_model, b_model;
+  optim::ParamStore a_store(a_model), b_store(b_model);
+  optim::SGD a_inner(a_store, {.lr = 1.0}), b_inner(b_store, {.lr = 1.0});
+  optim::LRScheduler a_sched(a_inner, {.type = optim::ScheduleType::Linear, .total_steps = 10});
+  optim::LRScheduler b_sched(b_inner, {.type = optim::ScheduleType::Linear, .total_steps = 10});
+  train::Accelerator accelerator({.cpu = true});
+  auto a = accelerator.prepare(a_inner);
+  auto b = accelerator.prepare(b_inner);
+  auto a_schedule = accelerator.prepare(a_sched);
+  auto b_schedule = accelerator.prepare(b_sched);
+  for (int i = 0; i < 3; ++i) {
+    a.step({.found_inf = true});
+    b.step();
+    a_schedule.step();
+    b_schedule.step();
+  }
+  CHECK(a.step_was_skipped());
+  CHECK(a_sched.steps() == 0);
+  CHECK(b_sched.steps() == 3);
+  CHECK(b_inner.lr() == doctest::Approx(0.7));
 }
 
 TEST_CASE("Accelerator: a batch that no prepared loader made is refused") {
