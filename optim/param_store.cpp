@@ -226,15 +226,21 @@ const ParamStore::Entry& ParamStore::entry_at(std::int64_t index) const {
   return *std::prev(it);
 }
 
-double clip_grad_norm_(ParamStore& store, double max_norm, bool error_if_nonfinite) {
+double clip_grad_norm_(ParamStore& store, double max_norm, NonFiniteNorm non_finite) {
   MB_CHECK(max_norm > 0, "[clip_grad_norm_] max_norm must be positive, got {}", max_norm);
   const ParamStore::GradNorm g = store.grad_norm();
   const double norm = g.norm;  // inf or NaN when a gradient is (the sum of squares takes them in)
-  MB_CHECK(!(error_if_nonfinite && g.non_finite),
-           "[clip_grad_norm_] the gradients' total norm is non-finite ('{}' holds the first "
-           "non-finite gradient), so they cannot be clipped; the gradients are left as they were "
-           "(pass error_if_nonfinite = false to scale them by the non-finite norm, as torch does)",
-           store.first_non_finite());
+  // As torch, the norm itself is tested: finite f64 gradients past 1e154 overflow the sum.
+  if (non_finite == NonFiniteNorm::Error && !std::isfinite(norm)) {
+    const std::string where =
+        g.non_finite ? fmt::format("'{}' holds the first non-finite gradient", store.first_non_finite())
+                     : std::string("every gradient is finite, but their sum of squares overflows");
+    MB_CHECK(false,
+             "[clip_grad_norm_] the gradients' total norm is {} ({}), so they cannot be clipped; "
+             "they are left as they were (NonFiniteNorm::Scale scales them by it, as torch's "
+             "error_if_nonfinite = False does)",
+             norm, where);
+  }
   // A NaN coefficient is not clamped to 1 (torch's clamp keeps NaN): every gradient becomes NaN.
   const double coef = max_norm / (norm + 1e-6);
   if (!(coef >= 1.0)) {

@@ -140,11 +140,17 @@ class ParamStore {
   std::vector<Entry> entries_;
 };
 
+/// What clip_grad_norm_ does with a norm that is not finite: torch's error_if_nonfinite = False
+/// (Scale) or True (Error).
+enum class NonFiniteNorm { Scale, Error };
+
 /// Scales the gradients so that their global norm is at most max_norm (torch's
 /// clip_grad_norm_: coefficient max_norm / (norm + 1e-6), clamped to 1). Returns the norm. With a
-/// non-finite norm it does what torch does: an infinite norm scales every gradient by 0 (an
-/// infinite one becomes NaN), a NaN norm makes every gradient NaN; or, with error_if_nonfinite, it
-/// throws naming the first parameter whose gradient is non-finite and leaves the gradients alone.
-double clip_grad_norm_(ParamStore& store, double max_norm, bool error_if_nonfinite = false);
+/// norm that is not finite it does what torch does: Scale (the default) scales every gradient by
+/// the coefficient, so an infinite norm turns finite gradients to 0 (an infinite one to NaN) and a
+/// NaN norm makes every gradient NaN; Error throws, naming the first parameter whose gradient is
+/// not finite (or saying that the sum of squares overflowed), and leaves the gradients alone.
+double clip_grad_norm_(ParamStore& store, double max_norm,
+                       NonFiniteNorm non_finite = NonFiniteNorm::Scale);
 
 }  // namespace microbatch::optim

@@ -238,8 +238,12 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
 // run's windows as train() will, up to 256 distinct shapes of its first 65,536 windows), each once
 // in the order the run first meets them, then the window at T_max, all on one model. For both GPTs,
 // with micro-batches of 2 to 8 rows, that is the run's peak to the byte, or up to 0.2% under it at
-// 8 rows, a gap that runs on sequences of one length show too. It costs one meta step per
-// distinct shape, for the plan made only.
+// 8 rows. It costs one meta step per distinct shape, for the plan made only. What it does not
+// follow: an evaluation or a checkpoint's save hands the cache back (Note [Arenas in blocks of
+// their own] and evaluate_now in train/trainer.cpp), and so does a resume, after which the run
+// meets its shapes again in another order and may cache more: 6% over the prediction for the f64
+// GPT above when it evaluated or saved every 7 windows, 10% after resuming at window 60. Measuring
+// each stretch between such points from its own first window would cover it.
 //
 // Plans are still judged by the window alone, which bounds every micro-batch's own peak (and keeps
 // the micro-batch size of sequences of one length). The predicted peak may then pass the usable
@@ -309,8 +313,10 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
       MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
       out.logits = Tensor();  // as the Trainer does (Note [Reusing an input's memory])
       // fp16 training seeds backward with the loss scale (optim::BoundaryStep::backward_seed): on
-      // the CPU a tensor of its own, which the caller holds until backward returns (on CUDA a view
-      // of the device's scale, which allocates nothing). Its value does not matter here.
+      // the CPU a tensor of its own, which the caller holds until backward returns; on CUDA a view
+      // of the device's scale, which allocates nothing for an f32 loss (every built-in model's; a
+      // custom model's 16-bit loss would take a converted copy, not counted here). Its value does
+      // not matter here.
       Tensor seed;
       if (config_.store.compute_dtype == DType::f16 && !config_.device.is_cuda())
         seed = full(out.loss.shape(), 1.0, {.dtype = out.loss.dtype(), .device = kMeta});

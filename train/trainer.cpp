@@ -89,9 +89,10 @@ std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::i
 // leave the allocator more cache than a window at T_max does (blocks cached for one size do not
 // serve a much smaller one), and the plan's predicted peak counts it: the planner measures the
 // shapes of the run's own micro-batches first (run_shapes; Note [Mixed lengths] in
-// train/planner.cpp), and that is the run's peak to within 0.2%. Where that passes the budget the
-// plan says so, and the run keeps within the budget, as the allocator hands its cache back before
-// it takes a block past it.
+// train/planner.cpp), and that is the peak of a run with no evaluation, save or resume between its
+// windows to within 0.2% (each of those hands the cache back; the Note says what follows). Where
+// that passes the budget the plan says so, and the run keeps within the budget, as the allocator
+// hands its cache back before it takes a block past it.
 std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices, const std::vector<std::int64_t>& lengths,
                                std::int64_t token_budget) {
   std::vector<Chunk> chunks;
@@ -215,9 +216,11 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // tensors allocates nothing.
     for (Example& e : examples) {
       const bool shared = e.input.storage() == e.label.storage();
+      // The references the example itself holds: two views, or one tensor given twice ({x, x}).
+      const long held = shared && e.input.impl() != e.label.impl() ? 2 : 1;
       std::shared_ptr<Storage> own;  // the meta copy of a storage the two views share
       auto to_meta = [&](const Tensor& t) {
-        if (t.storage().use_count() != (shared ? 2 : 1)) {
+        if (t.storage().use_count() != held) {
           return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(),
                               contiguous_strides(t.shape()), 0, t.dtype());
         }

@@ -131,18 +131,24 @@ TEST_CASE("clip_grad_norm_ with non-finite gradients does what torch does, or re
   CHECK(std::isnan(optim::clip_grad_norm_(store, 1.0)));
   for (double x : values()) CHECK(std::isnan(x));
   // error_if_nonfinite: refused, naming the parameter, and the gradients are left as they were.
+  // The arena is [w (4) | b (2)], the decay group first: element 4 is b's first.
+  REQUIRE(store.entries()[1].name == "b");
   grads.copy_(from_vector({3, 4, 0, 0, nan, 1}, {6}, {.dtype = DType::f64}));
-  const std::string bad = store.first_non_finite();
-  CHECK(!bad.empty());
-  check_throws_with([&] { optim::clip_grad_norm_(store, 1.0, /*error_if_nonfinite=*/true); },
-                    "non-finite ('" + bad + "'");
+  check_throws_with([&] { optim::clip_grad_norm_(store, 1.0, optim::NonFiniteNorm::Error); },
+                    "total norm is nan ('b' holds the first non-finite gradient)");
   v = values();
   CHECK(v[0] == 3.0);
   CHECK(v[1] == 4.0);
   CHECK(std::isnan(v[4]));
   // Finite gradients are clipped as before with the check on.
   grads.copy_(from_vector({3, 4, 0, 0, 0, 0}, {6}, {.dtype = DType::f64}));
-  CHECK(optim::clip_grad_norm_(store, 1.0, true) == doctest::Approx(5.0));
+  CHECK(optim::clip_grad_norm_(store, 1.0, optim::NonFiniteNorm::Error) == doctest::Approx(5.0));
+  // Finite gradients whose squares overflow the f64 sum: the norm is infinite, refused as torch
+  // refuses it, and nothing is scaled.
+  grads.copy_(from_vector({1e200, 1e200, 0, 0, 0, 0}, {6}, {.dtype = DType::f64}));
+  check_throws_with([&] { optim::clip_grad_norm_(store, 1.0, optim::NonFiniteNorm::Error); },
+                    "total norm is inf (every gradient is finite, but their sum of squares overflows)");
+  CHECK(values()[0] == 1e200);
 }
 
 TEST_CASE("LRScheduler state_dict restores the position and the learning rate") {
