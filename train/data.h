@@ -91,7 +91,7 @@ std::string label_fingerprint(const Dataset& data);
 
 /// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
 /// length: what a plan for variable-length sequences is measured on (Note [Token-budget
-/// micro-batches] in train/trainer.cpp).
+/// micro-batches] in train/windows.cpp).
 struct LongestExample {
   std::int64_t index = 0;
   std::int64_t length = 0;

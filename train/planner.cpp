@@ -221,7 +221,7 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
 }
 
 // Note [Mixed lengths]: token sequences of different lengths are planned at the longest, T_max
-// (Note [Token-budget micro-batches] in train/trainer.cpp), but a run's micro-batches come in many
+// (Note [Token-budget micro-batches] in train/windows.cpp), but a run's micro-batches come in many
 // shapes, rows x padded length, and their tensors change size from one micro-batch to the next. On
 // the CPU a cached block serves only a request it exceeds by at most a quarter, so a micro-batch
 // with fewer tokens than those before it takes blocks of its own: the cache comes to hold blocks

@@ -64,7 +64,7 @@ struct MemoryPlan {
   Device device = kCPU;  // the training device the plan is for
   std::vector<DeviceOverhead> outside_budget;  // device_overheads(device)
   /// Token data: the sequence length every planned row had, the training set's longest (Note
-  /// [Token-budget micro-batches] in train/trainer.cpp); 0 otherwise.
+  /// [Token-budget micro-batches] in train/windows.cpp); 0 otherwise.
   std::int64_t sequence_length = 0;
   /// The plan and its predicted peak broken down, as a table.
   std::string str() const;

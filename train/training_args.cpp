@@ -137,6 +137,11 @@ void TrainingArguments::validate() const {
   requested_device();
 }
 
+std::optional<DType> TrainingArguments::accumulation_dtype() const {
+  if (gradient_accumulation_dtype == "f32") return std::nullopt;
+  return parse_dtype(gradient_accumulation_dtype);
+}
+
 Device TrainingArguments::requested_device() const {
   if (device.empty()) return !use_cpu && cuda_available() ? cuda_device(0) : kCPU;
   Device d;

@@ -6,11 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
 #include "core/device.h"
+#include "core/dtype.h"
 
 namespace microbatch::train {
 
@@ -76,6 +78,9 @@ struct TrainingArguments {
   /// Warmup steps for a run of num_training_steps optimizer steps (Hugging Face's name): warmup_steps
   /// when set, else ceil(warmup_ratio * num_training_steps), at most the run.
   std::int64_t get_warmup_steps(std::int64_t num_training_steps) const;
+  /// The gradient arena's dtype: none for "f32", which means full-precision accumulators (f32, or
+  /// f64 for an f64 model: the ParamStore's default), else gradient_accumulation_dtype's.
+  std::optional<DType> accumulation_dtype() const;
   nlohmann::json to_json() const;
   /// Reads the arguments from JSON objects with these names; unknown names are refused.
   static TrainingArguments from_json(const nlohmann::json& j);

@@ -1,0 +1,197 @@
+// plan_training: the memory plan of a Trainer's run, from its arguments and training set. For
+// token sequences of different lengths it replays the run's windows to find the shapes of the
+// micro-batches the run will make (Note [Mixed lengths] in train/planner.cpp).
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "core/rng.h"
+#include "train/trainer.h"
+#include "train/windows.h"
+
+namespace microbatch::train {
+
+namespace {
+
+// The most windows of a run, and the most distinct micro-batch shapes, that a plan for token
+// sequences of different lengths reads and measures (Note [Mixed lengths] in train/planner.cpp).
+// A run past either is predicted from its first ones, and may cache more later.
+constexpr std::int64_t kWindowsScanned = std::int64_t{1} << 16;
+constexpr std::size_t kShapesMeasured = 256;
+
+// The distinct shapes (rows, padded length) of the micro-batches of a run's first `windows`
+// windows, in the order the run first meets them: packed within `token_budget` padded tokens, or
+// `micro` rows to a micro-batch when token_budget is 0. The windows are the Trainer's: the loader's
+// batches of `effective` samples, shuffled with `seed` (Note [Mixed lengths] in train/planner.cpp).
+std::vector<PackedShape> run_shapes(const Dataset& data, const std::vector<std::int64_t>& lengths,
+                                    std::int64_t effective, std::uint64_t seed,
+                                    std::int64_t windows, std::int64_t micro,
+                                    std::int64_t token_budget) {
+  DataLoader loader(data, {.batch_size = effective, .shuffle = true, .seed = seed, .prefetch = 0});
+  const std::int64_t per_epoch = loader.num_batches();
+  std::vector<PackedShape> shapes;
+  std::set<PackedShape> seen;
+  for (std::int64_t w = 0; w < windows; ++w) {
+    if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
+    const std::vector<std::int64_t> indices = loader.batch_indices(w % per_epoch);
+    std::vector<std::int64_t> window_lengths;
+    for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
+    const std::vector<Chunk> chunks = token_budget > 0
+                                          ? pack_window(indices, window_lengths, token_budget)
+                                          : split_window(indices, micro);
+    for (const Chunk& chunk : chunks) {
+      PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
+      for (std::int64_t i : chunk)
+        shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
+      if (!seen.insert(shape).second) continue;
+      shapes.push_back(shape);
+      if (shapes.size() == kShapesMeasured) return shapes;
+    }
+  }
+  return shapes;
+}
+
+}  // namespace
+
+MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
+                         const Dataset& train_set, Device device) {
+  BatchTriad triad = resolve_batch_triad(args);
+  MB_CHECK(train_set.size() > 0, "[plan_training] the training set is empty");
+  if (triad.effective > train_set.size()) {
+    // A window never holds more than the training set (the loader's one batch is all of it): a
+    // larger effective batch is planned and trained as the whole set, which also keeps the loader's
+    // and the planner's batch counts clear of int64 overflow.
+    triad = triad.micro > 0 ? split_effective_batch(train_set.size(), triad.micro)
+                            : BatchTriad{train_set.size(), 0, 0};
+  }
+  if (args.memory_budget == 0) {
+    MemoryPlan p;
+    p.micro_batch_size = triad.micro;
+    p.accumulation_steps = triad.accumulation;
+    p.effective_batch = triad.effective;
+    p.gradient_checkpointing = args.gradient_checkpointing;
+    p.device = device;
+    p.outside_budget = device_overheads(device);
+    return p;
+  }
+  PlannerConfig config;
+  config.budget = args.memory_budget;
+  config.effective_batch = triad.effective;
+  config.epoch_remainder =
+      train_set.size() % triad.effective;  // the loader keeps a short last batch
+  if (args.gradient_checkpointing) config.force_checkpointing = true;
+  if (triad.micro > 0) config.micro_batch_size = triad.micro;
+  if (args.fp16) config.store.compute_dtype = DType::f16;
+  if (args.bf16) config.store.compute_dtype = DType::bf16;
+  config.store.grad_dtype = args.accumulation_dtype();
+  config.adamw = {.lr = args.learning_rate,
+                  .beta1 = args.adam_beta1,
+                  .beta2 = args.adam_beta2,
+                  .eps = args.adam_epsilon,
+                  .weight_decay = args.weight_decay};
+  config.device = device;
+  // Token sequences of different lengths are planned at the longest (Note [Token-budget
+  // micro-batches] in train/windows.cpp): a row shorter than it is measured as that longest one.
+  const bool token_labels = train_set.get(0).label.dim() > 0;
+  const std::vector<std::int64_t> lengths =
+      token_labels ? sequence_lengths(train_set) : std::vector<std::int64_t>{};
+  LongestExample longest;
+  std::map<std::int64_t, std::int64_t> example_of_length;  // the first example of each length
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    const auto index = static_cast<std::int64_t>(i);
+    if (lengths[i] > longest.length) longest = {.index = index, .length = lengths[i]};
+    example_of_length.emplace(lengths[i], index);
+  }
+  auto batch_of = [&](std::vector<Example> examples) {
+    // On a GPU the batch is collated on the host: its one copy to the device is what counts, and
+    // the planner makes that copy on meta.
+    if (!device.is_cpu()) return collate(examples);
+    // On the CPU it is collated on meta, so that what a real collate allocates (and the cache
+    // blocks it leaves) is counted like the training loop's. Memory the example alone holds (the
+    // dataset made it afresh: its input and label may be views of one such tensor) is a meta
+    // allocation of the same bytes, live as long as the example; a view of the dataset's own
+    // tensors allocates nothing.
+    for (Example& e : examples) {
+      const bool shared = e.input.storage() == e.label.storage();
+      // The references the example itself holds: two views, or one tensor given twice ({x, x}).
+      const long held = shared && e.input.impl() != e.label.impl() ? 2 : 1;
+      std::shared_ptr<Storage> own;  // the meta copy of a storage the two views share
+      auto to_meta = [&](const Tensor& t) {
+        if (t.storage().use_count() != held) {
+          return make_strided(std::make_shared<Storage>(0, kMeta), t.shape(),
+                              contiguous_strides(t.shape()), 0, t.dtype());
+        }
+        std::shared_ptr<Storage> meta =
+            shared && own ? own : std::make_shared<Storage>(t.storage()->nbytes, kMeta);
+        if (shared) own = meta;
+        return make_strided(meta, t.shape(), t.strides(), t.offset(), t.dtype());
+      };
+      e = {to_meta(e.input), to_meta(e.label)};
+    }
+    return collate(examples);
+  };
+  if (example_of_length.size() > 1) {
+    // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
+    // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
+    const std::int64_t size = train_set.size(), effective = triad.effective;
+    const auto per_epoch = static_cast<double>(size / effective + (size % effective != 0));
+    const double epoch_windows = std::ceil(args.num_train_epochs * per_epoch);  // as train()'s
+    const std::int64_t windows = args.max_steps > 0
+                                     ? std::min(args.max_steps, kWindowsScanned)
+                                     : static_cast<std::int64_t>(std::min(
+                                           epoch_windows, static_cast<double>(kWindowsScanned)));
+    config.packed_shapes = [&, windows](std::int64_t n) {
+      return run_shapes(train_set, lengths, triad.effective, args.seed, windows, n,
+                        args.pack_by_tokens ? n * longest.length : 0);
+    };
+    // Rows of the shape's length, each read afresh as the training loop reads them.
+    config.sample_packed = [&](PackedShape shape) {
+      std::vector<Example> examples;
+      for (std::int64_t i = 0; i < shape.rows; ++i)
+        examples.push_back(train_set.get(example_of_length.at(shape.length)));
+      return batch_of(std::move(examples));
+    };
+  }
+  // Measuring builds models: keep the random stream the training run will see untouched.
+  const GeneratorState rng = default_generator().state();
+  MemoryPlanner planner(
+      [&](bool checkpointing) {
+        std::unique_ptr<nn::Model> m = model_init();
+        m->set_gradient_checkpointing(checkpointing);
+        return m;
+      },
+      [&](std::int64_t n) {
+        std::vector<Example> examples;
+        for (std::int64_t i = 0; i < n; ++i) {
+          Example e = train_set.get(i % train_set.size());
+          if (token_labels && e.input.numel() < longest.length) e = train_set.get(longest.index);
+          examples.push_back(std::move(e));
+        }
+        return batch_of(std::move(examples));
+      },
+      config);
+  MemoryPlan p;
+  try {
+    p = planner.plan();
+  } catch (const OutOfMemoryError& e) {
+    default_generator().set_state(rng);
+    // The planner speaks of the micro-batch it was given: say where it came from when the one
+    // asked for was cut to the training set.
+    const std::int64_t asked = resolve_batch_triad(args).micro;
+    if (asked <= triad.micro) throw;
+    throw OutOfMemoryError(
+        fmt::format("per_device_train_batch_size {} is more than the {} training examples, so a "
+                    "micro-batch holds all of them: {}",
+                    asked, train_set.size(), e.what()),
+        e.requested());
+  }
+  p.sequence_length = longest.length;
+  default_generator().set_state(rng);
+  return p;
+}
+
+}  // namespace microbatch::train
