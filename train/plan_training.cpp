@@ -5,11 +5,14 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <vector>
 
 #include "core/rng.h"
+#include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "train/windows.h"
 
@@ -17,27 +20,81 @@ namespace microbatch::train {
 
 namespace {
 
-// The most windows of a run, and the most distinct micro-batch shapes, that a plan for token
-// sequences of different lengths reads and measures (Note [Mixed lengths] in train/planner.cpp).
-// A run past either is predicted from its first ones, and may cache more later.
+// The most windows of a run that a plan for token sequences of different lengths reads, the most
+// distinct micro-batch shapes of one stretch between cache hand-backs it measures, and the most
+// shapes of all stretches (Note [Mixed lengths] in train/planner.cpp). A run past these is
+// predicted from what was measured, and may cache more later.
 constexpr std::int64_t kWindowsScanned = std::int64_t{1} << 16;
 constexpr std::size_t kShapesMeasured = 256;
+constexpr std::size_t kShapesInAll = 2048;
 
-// The distinct shapes (rows, padded length) of the micro-batches of a run's first `windows`
-// windows, in the order the run first meets them: packed within `token_budget` padded tokens, or
-// `micro` rows to a micro-batch when token_budget is 0. The windows are the Trainer's: the loader's
-// batches of `effective` samples, shuffled with `seed` (Note [Mixed lengths] in train/planner.cpp).
-std::vector<PackedShape> run_shapes(const Dataset& data, const std::vector<std::int64_t>& lengths,
-                                    std::int64_t effective, std::uint64_t seed,
-                                    std::int64_t windows, std::int64_t micro,
-                                    std::int64_t token_budget) {
-  DataLoader loader(data, {.batch_size = effective, .shuffle = true, .seed = seed, .prefetch = 0});
+// The window a run resumed from resume_from_checkpoint starts at, read from the checkpoint's
+// folder name (checkpoint-<step>; for "latest", the newest complete one in output_dir); 0 when
+// there is none, or the name says no step. Its cache starts empty there.
+std::int64_t resume_window(const TrainingArguments& args) {
+  if (args.resume_from_checkpoint.empty()) return 0;
+  std::string path = args.resume_from_checkpoint;
+  if (path == "latest") {
+    const std::vector<std::string> all = list_checkpoints(args.output_dir);
+    if (all.empty()) return 0;
+    path = all.back();
+  }
+  const std::string name = std::filesystem::path(path).lexically_normal().filename().string();
+  const std::string prefix = "checkpoint-";
+  if (name.rfind(prefix, 0) != 0) return 0;
+  try {
+    std::size_t used = 0;
+    const std::int64_t step = std::stoll(name.substr(prefix.size()), &used);
+    return used == name.size() - prefix.size() && step > 0 ? step : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// Whether train() hands the allocator's cache back after `step` (an evaluation, a checkpoint's
+// save, or either at an epoch's end), so that the next window starts from an empty cache.
+bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int64_t per_epoch) {
+  const std::int64_t eval_every = args.eval_steps > 0 ? args.eval_steps : args.logging_steps;
+  const bool epoch_end = step % per_epoch == 0;
+  return (args.eval_strategy == "steps" && step % eval_every == 0) ||
+         (args.save_strategy == "steps" && step % args.save_steps == 0) ||
+         (epoch_end && (args.eval_strategy == "epoch" || args.save_strategy == "epoch"));
+}
+
+// The shapes (rows, padded length) of the micro-batches of a run's first `windows` windows, cut
+// into stretches where train() hands its cache back: each stretch's distinct shapes in the order
+// it first meets them, stretches with the same sequence given once; a resumed run starts a
+// stretch at the window it resumes at. Packed within `token_budget`
+// padded tokens, or `micro` rows to a micro-batch when token_budget is 0. The windows are the
+// Trainer's: the loader's batches of `effective` samples, shuffled with `seed` (Note [Mixed
+// lengths] in train/planner.cpp).
+std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
+                                                 const std::vector<std::int64_t>& lengths,
+                                                 const TrainingArguments& args,
+                                                 std::int64_t effective, std::int64_t windows,
+                                                 std::int64_t resume_window, std::int64_t micro,
+                                                 std::int64_t token_budget) {
+  DataLoader loader(data,
+                    {.batch_size = effective, .shuffle = true, .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
+  std::vector<std::vector<PackedShape>> stretches;
+  std::set<std::vector<PackedShape>> distinct;
+  std::size_t in_all = 0;
   std::vector<PackedShape> shapes;
   std::set<PackedShape> seen;
-  for (std::int64_t w = 0; w < windows; ++w) {
+  auto close_stretch = [&] {
+    if (!shapes.empty() && distinct.insert(shapes).second) {
+      in_all += shapes.size();
+      stretches.push_back(shapes);
+    }
+    shapes.clear();
+    seen.clear();
+  };
+  for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
+    if (w > 0 && (w == resume_window || hands_back_cache(args, w, per_epoch))) close_stretch();
     if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
     const std::vector<std::int64_t> indices = loader.batch_indices(w % per_epoch);
+    if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
     std::vector<std::int64_t> window_lengths;
     for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
     const std::vector<Chunk> chunks = token_budget > 0
@@ -47,12 +104,12 @@ std::vector<PackedShape> run_shapes(const Dataset& data, const std::vector<std::
       PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
       for (std::int64_t i : chunk)
         shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
-      if (!seen.insert(shape).second) continue;
+      if (seen.size() == kShapesMeasured || !seen.insert(shape).second) continue;
       shapes.push_back(shape);
-      if (shapes.size() == kShapesMeasured) return shapes;
     }
   }
-  return shapes;
+  close_stretch();
+  return stretches;
 }
 
 }  // namespace
@@ -145,7 +202,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
                                      : static_cast<std::int64_t>(std::min(
                                            epoch_windows, static_cast<double>(kWindowsScanned)));
     config.packed_shapes = [&, windows](std::int64_t n) {
-      return run_shapes(train_set, lengths, triad.effective, args.seed, windows, n,
+      return run_shapes(train_set, lengths, args, triad.effective, windows, resume_window(args), n,
                         args.pack_by_tokens ? n * longest.length : 0);
     };
     // Rows of the shape's length, each read afresh as the training loop reads them.

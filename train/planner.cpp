@@ -238,12 +238,16 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
 // run's windows as train() will, up to 256 distinct shapes of its first 65,536 windows), each once
 // in the order the run first meets them, then the window at T_max, all on one model. For both GPTs,
 // with micro-batches of 2 to 8 rows, that is the run's peak to the byte, or up to 0.2% under it at
-// 8 rows. It costs one meta step per distinct shape, for the plan made only. What it does not
-// follow: an evaluation or a checkpoint's save hands the cache back (Note [Arenas in blocks of
-// their own] and evaluate_now in train/trainer.cpp), and so does a resume, after which the run
-// meets its shapes again in another order and may cache more: 6% over the prediction for the f64
-// GPT above when it evaluated or saved every 7 windows, 10% after resuming at window 60. Measuring
-// each stretch between such points from its own first window would cover it.
+// 8 rows. It costs one meta step per distinct shape, for the plan made only. An evaluation or a
+// checkpoint's save hands the cache back (evaluate_now and save in train/trainer.cpp), and a
+// resume starts from an empty one; after each the run meets its shapes again, in another order,
+// and may cache more: measured from the first window alone, the f64 GPT above went 6% over the
+// prediction when it evaluated or saved every 7 windows, and 10% after resuming at window 60. So
+// the run is cut into stretches at those points (a resume starts at one: the save it resumes
+// from), each stretch's shapes are measured from an empty cache in the order it first meets them,
+// and the highest peak is the prediction. At most kShapesMeasured distinct shapes a stretch and
+// kShapesInAll in all are measured (train/plan_training.cpp): stretches past that are taken to
+// cache no more than those measured.
 //
 // Plans are still judged by the window alone, which bounds every micro-batch's own peak (and keeps
 // the micro-batch size of sequences of one length). The predicted peak may then pass the usable
@@ -251,11 +255,11 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
 // back before it takes a block past it. Judging plans by the run's peak instead would shrink the
 // micro-batch until its shapes' cache fits: in the Trainer's token-budget test, 1 row instead of 2,
 // and on the CPU, where the cache is several times the window's, to a fraction.
-const std::vector<PackedShape>& MemoryPlanner::run_shapes(std::int64_t n) {
+const std::vector<std::vector<PackedShape>>& MemoryPlanner::run_shapes(std::int64_t n) {
   auto it = packed_.find(n);
   if (it == packed_.end()) {
     it = packed_.emplace(n, config_.packed_shapes ? config_.packed_shapes(n)
-                                                  : std::vector<PackedShape>{}).first;
+                                                  : std::vector<std::vector<PackedShape>>{}).first;
   }
   return it->second;
 }
@@ -263,7 +267,13 @@ const std::vector<PackedShape>& MemoryPlanner::run_shapes(std::int64_t n) {
 MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing) {
   MB_CHECK(n >= 1 && n <= config_.effective_batch,
            "[planner] a micro-batch size must be in [1, {}], got {}", config_.effective_batch, n);
-  return measure(run_shapes(n), window_sizes(n), checkpointing);
+  const std::vector<std::int64_t> sizes = window_sizes(n);
+  MemoryBreakdown highest = measure({}, sizes, checkpointing);
+  for (const std::vector<PackedShape>& stretch : run_shapes(n)) {
+    const MemoryBreakdown b = measure(stretch, sizes, checkpointing);
+    if (b.total() > highest.total()) highest = b;
+  }
+  return highest;
 }
 
 MemoryBreakdown MemoryPlanner::window(std::int64_t n, bool checkpointing) {

@@ -102,10 +102,12 @@ struct PlannerConfig {
   optim::ParamStoreOptions store{};  // the arenas counted (a 16-bit compute dtype adds a master copy)
   /// The training device: meta mirrors its allocator and its kernels' allocations (MetaBackendGuard).
   Device device = kCPU;
-  /// Token sequences of different lengths (Note [Mixed lengths]): the distinct shapes of the
-  /// micro-batches a run makes when its micro-batch size is n (n rows of the longest length), in
-  /// the order it first meets them. Unset for data whose micro-batches all have the window's shape.
-  std::function<std::vector<PackedShape>(std::int64_t n)> packed_shapes;
+  /// Token sequences of different lengths (Note [Mixed lengths]): the micro-batches a run makes
+  /// when its micro-batch size is n (n rows of the longest length), as stretches between the
+  /// points where the training loop hands its cache back (an evaluation, a checkpoint's save):
+  /// each stretch's distinct shapes, in the order it first meets them. Unset for data whose
+  /// micro-batches all have the window's shape.
+  std::function<std::vector<std::vector<PackedShape>>(std::int64_t n)> packed_shapes;
   SamplePackedFn sample_packed;  // a batch of one of packed_shapes' shapes; set with it
 };
 
@@ -131,8 +133,9 @@ class MemoryPlanner {
   /// Predicted peak of a window of micro-batches of n (the last one smaller when n does not divide
   /// the effective batch) followed by the next window's first micro-batch: the steady-state peak of
   /// training with that micro-batch size (Note [Uneven windows]). Plans are judged by this, but
-  /// for packed_shapes: the run's micro-batch shapes are then measured first, on the same model,
-  /// and plans are judged by the window alone (Note [Mixed lengths]).
+  /// for packed_shapes: each stretch's micro-batch shapes are then measured first, on the same
+  /// model, the highest peak is the prediction, and plans are judged by the window alone (Note
+  /// [Mixed lengths]).
   MemoryBreakdown predict_window(std::int64_t n, bool checkpointing);
   /// budget * (1 - margin), rounded down: the most a plan's window peak may be.
   std::int64_t usable_budget() const { return usable_; }
@@ -147,7 +150,7 @@ class MemoryPlanner {
   std::int64_t search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
                            bool checkpointing);
   /// packed_shapes(n), memoized; empty without it.
-  const std::vector<PackedShape>& run_shapes(std::int64_t n);
+  const std::vector<std::vector<PackedShape>>& run_shapes(std::int64_t n);
   /// The peak of micro-batches of these shapes and then of these sizes in sequence, on one model
   /// (memoized).
   MemoryBreakdown measure(const std::vector<PackedShape>& shapes,
@@ -162,7 +165,7 @@ class MemoryPlanner {
   std::int64_t usable_ = 0;
   std::map<std::tuple<std::vector<PackedShape>, std::vector<std::int64_t>, bool>, MemoryBreakdown>
       predictions_;  // (shapes, sizes, ckpt)
-  std::map<std::int64_t, std::vector<PackedShape>> packed_;  // n -> run_shapes(n)
+  std::map<std::int64_t, std::vector<std::vector<PackedShape>>> packed_;  // n -> run_shapes(n)
 };
 
 }  // namespace microbatch::train

@@ -25,10 +25,10 @@ std::vector<Chunk> split_window(const std::vector<std::int64_t>& indices, std::i
 // leave the allocator more cache than a window at T_max does (blocks cached for one size do not
 // serve a much smaller one), and the plan's predicted peak counts it: the planner measures the
 // shapes of the run's own micro-batches first (run_shapes; Note [Mixed lengths] in
-// train/planner.cpp), and that is the peak of a run with no evaluation, save or resume between its
-// windows to within 0.2% (each of those hands the cache back; the Note says what follows). Where
-// that passes the budget the plan says so, and the run keeps within the budget, as the allocator
-// hands its cache back before it takes a block past it.
+// train/planner.cpp), stretch by stretch between the evaluations, saves and resume that hand the
+// cache back, and that is the run's peak to within 0.2%. Where that passes the budget the plan
+// says so, and the run keeps within the budget, as the allocator hands its cache back before it
+// takes a block past it.
 std::vector<Chunk> pack_window(const std::vector<std::int64_t>& indices,
                                const std::vector<std::int64_t>& lengths,
                                std::int64_t token_budget) {

@@ -469,6 +469,53 @@ TEST_CASE("variable lengths: the predicted peak is the run's, with the cache of 
   }
 }
 
+TEST_CASE("variable lengths: evaluations, saves and a resume start stretches the plan measures") {
+  // Note [Mixed lengths]: each of these hands the cache back (a resume starts with an empty one),
+  // and the run meets its shapes again in another order, caching more than from window 0 alone
+  // (6% and 10% more here). The plan measures each stretch from its own first window.
+  const std::vector<std::int64_t> lengths = drawn_lengths(3, 16, Draw::Range);
+  Sequences data(lengths, 13);
+  auto run = [&](TrainingArguments args, const std::filesystem::path& dir, std::int64_t after) {
+    args.output_dir = dir.string();
+    args.per_device_train_batch_size = 4;
+    args.gradient_accumulation_steps = 4;
+    args.num_train_epochs = 20;
+    args.learning_rate = 1e-3;
+    args.logging_steps = 1;
+    args.memory_budget = 64 << 20;  // far above any of these peaks
+    args.use_cpu = true;
+    std::ostringstream sink;
+    Trainer trainer(f64_gpt(13), args, data, args.eval_strategy == "no" ? nullptr : &data);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    PeakRun r{.plan = trainer.plan()};
+    for (auto& l : read_log(dir))
+      if (!l.contains("event") && l["step"].get<std::int64_t>() > after)
+        r.peak = std::max(r.peak, l["measured_peak"].get<std::int64_t>());
+    return r;
+  };
+  auto within = [](const PeakRun& r) {
+    INFO("predicted " << r.plan.predicted_peak << ", measured " << r.peak);
+    CHECK(std::abs(static_cast<double>(r.peak - r.plan.predicted_peak)) <=
+          0.01 * static_cast<double>(r.plan.predicted_peak));
+  };
+  TempDir plain_dir, eval_dir, save_dir;
+  const PeakRun plain = run({}, plain_dir.path, 0);
+  within(plain);
+  const PeakRun evaluated = run({.eval_strategy = "steps", .eval_steps = 7}, eval_dir.path, 0);
+  CHECK(evaluated.peak > plain.peak);  // the stretches cache more than the run from window 0
+  within(evaluated);
+  const PeakRun saved = run({.save_strategy = "steps", .save_steps = 60}, save_dir.path, 0);
+  within(saved);
+  // Resumed at window 60 with no further saves: the stretch from 60 is measured from the
+  // checkpoint's name.
+  TrainingArguments resume{.save_strategy = "no"};
+  resume.resume_from_checkpoint = (save_dir.path / "checkpoint-60").string();
+  const PeakRun resumed = run(resume, save_dir.path, 60);
+  CHECK(resumed.peak > plain.peak);
+  within(resumed);
+}
+
 TEST_CASE("variable lengths: plans judged by the window, a run caching past the budget within it") {
   // Note [Mixed lengths]: the micro-batch size is chosen as for sequences all of the longest
   // length, so every micro-batch fits alone; the plan's predicted peak, the run's natural peak
