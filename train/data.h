@@ -89,13 +89,6 @@ Batch collate(const std::vector<Example>& examples, CollateOptions options = {})
 /// poisoned sample resumes once that sample is cleaned.
 std::string label_fingerprint(const Dataset& data);
 
-/// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
-/// length: what a plan for variable-length sequences is measured on (Note [Token-budget
-/// micro-batches] in train/windows.cpp).
-struct LongestExample {
-  std::int64_t index = 0;
-  std::int64_t length = 0;
-};
 /// Every example's input elements (a sequence's tokens), in order: what a plan for
 /// variable-length sequences reads its longest example and its micro-batch shapes from. Reads
 /// every example once.

@@ -51,6 +51,14 @@ std::int64_t resume_window(const TrainingArguments& args) {
   }
 }
 
+// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
+// length: what a plan for variable-length sequences measures its windows with (Note
+// [Token-budget micro-batches] in train/windows.cpp).
+struct LongestExample {
+  std::int64_t index = 0;
+  std::int64_t length = 0;
+};
+
 // Whether train() hands the allocator's cache back after `step` (an evaluation, a checkpoint's
 // save, or either at an epoch's end), so that the next window starts from an empty cache.
 bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int64_t per_epoch) {
