@@ -41,8 +41,10 @@ MB_HOST_DEVICE inline float uniform_from_bits(std::uint32_t x) {
 
 /// A uniform value from uniform_from_bits (k * 2^-24) kept to its first `bits` random bits,
 /// floor(u * 2^bits) * 2^-bits: the significand of f16 (11) or bf16 (8) holds it exactly, so
-/// rounding to the dtype cannot reach 1, as torch draws 16-bit uniforms. Exact in float.
+/// rounding to the dtype cannot reach 1, as torch draws 16-bit uniforms. Exact in float; u itself
+/// for 24 bits or more.
 MB_HOST_DEVICE inline float uniform_truncated(float u, int bits) {
+  if (bits >= 24) return u;
   const float scale = static_cast<float>(1u << bits);
   return std::floor(u * scale) / scale;
 }

@@ -323,8 +323,7 @@ void rand_uniform(const StridedView& out, PhiloxArgs philox) {
   const int bits = uniform_bits(out.dtype);
   fill_indexed(out, [&](std::int64_t i) {
     PhiloxBlock b = philox4x32(philox.offset + static_cast<std::uint64_t>(i / 4), philox.seed);
-    const float u = uniform_from_bits(b.v[i % 4]);
-    return bits < 24 ? uniform_truncated(u, bits) : u;
+    return uniform_truncated(uniform_from_bits(b.v[i % 4]), bits);
   });
 }
 

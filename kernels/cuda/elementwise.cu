@@ -231,10 +231,7 @@ struct UniformGen {
   __device__ void operator()(std::int64_t block, double* values) const {
     const PhiloxBlock b =
         philox4x32(philox.offset + static_cast<std::uint64_t>(block), philox.seed);
-    for (int j = 0; j < 4; ++j) {
-      const float u = uniform_from_bits(b.v[j]);
-      values[j] = bits < 24 ? uniform_truncated(u, bits) : u;
-    }
+    for (int j = 0; j < 4; ++j) values[j] = uniform_truncated(uniform_from_bits(b.v[j]), bits);
   }
 };
 
