@@ -184,9 +184,8 @@ void Accelerator::backward(const Tensor& loss, const Tensor& grad, BackwardOptio
 }
 
 AcceleratedOptimizer::AcceleratedOptimizer(Accelerator& accelerator, optim::Optimizer& optimizer)
-    : accelerator_(accelerator), optimizer_(optimizer), index_(accelerator.step_skipped_.size()) {
-  accelerator_.step_skipped_.push_back(false);
-  accelerator_.prepared_optimizers_.push_back(&optimizer);
+    : accelerator_(accelerator), optimizer_(optimizer), index_(accelerator.prepared_.size()) {
+  accelerator_.prepared_.push_back({.optimizer = &optimizer});
 }
 
 void AcceleratedOptimizer::step(optim::StepOptions options) {
@@ -194,14 +193,16 @@ void AcceleratedOptimizer::step(optim::StepOptions options) {
   const std::int64_t taken = optimizer_.step_count();
   optimizer_.step(options);
   // A skipped step (found_inf) leaves the step count as it was; the scheduler reads this.
-  accelerator_.step_skipped_[index_] = optimizer_.step_count() == taken;
+  accelerator_.prepared_[index_].step_skipped = optimizer_.step_count() == taken;
 }
 
 void AcceleratedOptimizer::zero_grad() {
   if (accelerator_.sync_gradients()) optimizer_.zero_grad();
 }
 
-bool AcceleratedOptimizer::step_was_skipped() const { return accelerator_.step_skipped_[index_]; }
+bool AcceleratedOptimizer::step_was_skipped() const {
+  return accelerator_.prepared_[index_].step_skipped;
+}
 
 void AcceleratedScheduler::step() {
   // As Accelerate's AcceleratedScheduler: the schedule moves with the optimizer, so only at a
@@ -210,15 +211,15 @@ void AcceleratedScheduler::step() {
   // Its own optimizer's step decides, as Accelerate attaches a scheduler to the prepared optimizer
   // it was made for (the latest preparation of it); only a scheduler whose optimizer was not
   // prepared looks at them all.
-  const std::vector<const optim::Optimizer*>& prepared = accelerator_.prepared_optimizers_;
-  for (std::size_t i = prepared.size(); i-- > 0;) {
-    if (prepared[i] == &scheduler_.optimizer()) {
-      if (!accelerator_.step_skipped_[i]) scheduler_.step();
+  const auto& prepared = accelerator_.prepared_;
+  for (auto it = prepared.rbegin(); it != prepared.rend(); ++it) {
+    if (it->optimizer == &scheduler_.optimizer()) {
+      if (!it->step_skipped) scheduler_.step();
       return;
     }
   }
-  for (bool skipped : accelerator_.step_skipped_) {
-    if (skipped) return;
+  for (const auto& p : prepared) {
+    if (p.step_skipped) return;
   }
   scheduler_.step();
 }

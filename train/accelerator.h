@@ -116,7 +116,7 @@ class AcceleratedOptimizer {
  private:
   Accelerator& accelerator_;
   optim::Optimizer& optimizer_;
-  std::size_t index_;  // this optimizer's entry in Accelerator::step_skipped_
+  std::size_t index_;  // this optimizer's entry in Accelerator::prepared_
 };
 
 /// A scheduler that advances only at a window's boundary, and not after a skipped step.
@@ -184,8 +184,11 @@ class Accelerator {
   Device device_ = kCPU;
   bool sync_gradients_ = true;
   bool in_scope_ = false;
-  std::vector<bool> step_skipped_;  // per prepared optimizer: its last boundary step was skipped
-  std::vector<const optim::Optimizer*> prepared_optimizers_;  // step_skipped_'s optimizers
+  struct PreparedOptimizer {
+    const optim::Optimizer* optimizer;
+    bool step_skipped = false;  // its last boundary step was skipped
+  };
+  std::vector<PreparedOptimizer> prepared_;  // in the order they were prepared
   std::optional<std::int64_t> model_ignore_index_;  // the prepared model's, when it is an nn::Model
   std::vector<std::int64_t> loader_ignore_indices_;  // the prepared DataLoaders' collate options
 };
