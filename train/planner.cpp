@@ -300,12 +300,11 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
     // and the moments take blocks of their own size, not the initialisers' cached ones.
     empty_cache(kMeta);
     optim::ParamStore store(*model, config_.store);
-    empty_cache(kMeta);
+    empty_cache(kMeta);  // the parameters' own blocks, which the store's arenas replaced
     optim::AdamW optimizer(store, config_.adamw);
     b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
     b.gradients = block_bytes(store.grads().nbytes());
     b.optimizer_state = block_bytes(optimizer.state_bytes() / 2) * 2;  // two moment arenas
-    empty_cache(kMeta);  // the parameters' blocks from before the arenas
     reset_peak_memory_stats(kMeta);
     const MemoryStats start = memory_stats(kMeta);
     MB_ASSERT(start.reserved.current - base >= b.weights + b.gradients + b.optimizer_state,
