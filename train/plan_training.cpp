@@ -62,10 +62,8 @@ struct LongestExample {
 // Whether train() hands the allocator's cache back after `step` (an evaluation, a checkpoint's
 // save, or either at an epoch's end), so that the next window starts from an empty cache.
 bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int64_t per_epoch) {
-  const std::int64_t eval_every = args.eval_steps > 0 ? args.eval_steps : args.logging_steps;
   const bool epoch_end = step % per_epoch == 0;
-  return (args.eval_strategy == "steps" && step % eval_every == 0) ||
-         (args.save_strategy == "steps" && step % args.save_steps == 0) ||
+  return args.evaluates_after(step) || args.saves_after(step) ||
          (epoch_end && (args.eval_strategy == "epoch" || args.save_strategy == "epoch"));
 }
 

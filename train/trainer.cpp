@@ -536,7 +536,6 @@ TrainOutput Trainer::train() {
     token_budget = plan_.micro_batch_size * plan_.sequence_length;
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const std::int64_t eval_every = args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps;
   store.zero_grad();
   loader.set_epoch(epoch);
   while (step < total_steps) {
@@ -713,8 +712,8 @@ TrainOutput Trainer::train() {
       out.flush();
       reset_peak_memory_stats(device_);
     }
-    if (eval_set_ && args_.eval_strategy == "steps" && step % eval_every == 0) last_eval = evaluate_now();
-    if (args_.save_strategy == "steps" && step % args_.save_steps == 0) save();
+    if (eval_set_ && args_.evaluates_after(step)) last_eval = evaluate_now();
+    if (args_.saves_after(step)) save();
     if (on_step_) on_step_(step);
   }
   for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // none pending after a logged last step
@@ -728,8 +727,8 @@ TrainOutput Trainer::train() {
       ++epoch;
       window = 0;
     }
-    if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && step % args_.save_steps != 0))
-      save();
+    const bool saved_last = args_.saves_after(step);
+    if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && !saved_last)) save();
   }
   save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
 

@@ -137,6 +137,15 @@ void TrainingArguments::validate() const {
   requested_device();
 }
 
+bool TrainingArguments::evaluates_after(std::int64_t step) const {
+  const std::int64_t every = eval_steps > 0 ? eval_steps : logging_steps;
+  return eval_strategy == "steps" && step % every == 0;
+}
+
+bool TrainingArguments::saves_after(std::int64_t step) const {
+  return save_strategy == "steps" && step % save_steps == 0;
+}
+
 std::optional<DType> TrainingArguments::accumulation_dtype() const {
   if (gradient_accumulation_dtype == "f32") return std::nullopt;
   return parse_dtype(gradient_accumulation_dtype);

@@ -78,6 +78,10 @@ struct TrainingArguments {
   /// Warmup steps for a run of num_training_steps optimizer steps (Hugging Face's name): warmup_steps
   /// when set, else ceil(warmup_ratio * num_training_steps), at most the run.
   std::int64_t get_warmup_steps(std::int64_t num_training_steps) const;
+  /// Whether the steps strategies evaluate / save after optimizer step `step` (eval_steps, or
+  /// logging_steps when it is 0; save_steps). The epoch strategies act at an epoch's end instead.
+  bool evaluates_after(std::int64_t step) const;
+  bool saves_after(std::int64_t step) const;
   /// The gradient arena's dtype: none for "f32", which means full-precision accumulators (f32, or
   /// f64 for an f64 model: the ParamStore's default), else gradient_accumulation_dtype's.
   std::optional<DType> accumulation_dtype() const;
