@@ -220,7 +220,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     };
   }
   // Measuring builds models: keep the random stream the training run will see untouched.
-  const GeneratorState rng = default_generator().state();
+  GeneratorStateGuard rng;
   MemoryPlanner planner(
       [&](bool checkpointing) {
         std::unique_ptr<nn::Model> m = model_init();
@@ -241,7 +241,6 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   try {
     p = planner.plan();
   } catch (const OutOfMemoryError& e) {
-    default_generator().set_state(rng);
     // The planner speaks of the micro-batch it was given: say where it came from when the one
     // asked for was cut to the training set.
     const std::int64_t asked = resolve_batch_triad(args).micro;
@@ -253,7 +252,6 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
         e.requested());
   }
   p.sequence_length = longest.length;
-  default_generator().set_state(rng);
   return p;
 }
 
