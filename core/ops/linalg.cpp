@@ -346,7 +346,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
 // passes move about 250 MB a layer). The weight and bias gradients are linear's (the weights'
 // straight into their arena slots). Where Lt does not take a call the kernels compute the same in
 // separate passes into the same buffers, so the node's allocations, and meta's, do not depend on
-// it; GELU then takes the rounded `pre` where the epilogue takes the f32 sum.
+// it; GELU then takes the rounded `pre` where the epilogue takes the f32 sum. f32 always takes
+// the separate passes (kernels/cuda/gemm.cu: cuBLASLt's GELU may use a fast tanh).
 Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2,
                 const Tensor& b2) {
   check_same_device("gelu_mlp", {x, w1, b1, w2, b2});

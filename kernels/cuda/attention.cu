@@ -606,9 +606,7 @@ void attention_backward(const StridedView& q, const StridedView& k, const Stride
   check_rows(op, dq, q, q.dtype, "dq");
   check_rows(op, dk, k, q.dtype, "dk");
   check_rows(op, dv, v, q.dtype, "dv");
-  MB_ASSERT(dout.ndim == n && dout.numel() == q.numel() && dout.dtype == q.dtype &&
-                (q.shape[n - 1] == 1 || dout.strides[n - 1] == 1),
-            "[{}] dout must have out's shape and dtype and unit stride along D", op);
+  check_rows(op, dout, q, q.dtype, "dout");
   for (const StridedView* x : {&lse, &delta}) {
     MB_ASSERT(x->is_contiguous() && x->numel() == heads * t && x->dtype == DType::f32,
               "[{}] lse and delta must be contiguous f32 with {} elements", op, heads * t);

@@ -269,7 +269,7 @@ std::string lt_last_refusal() {
   if (!g_not_offered) return g_lt_refusal;
   const NotOffered& n = *g_not_offered;
   return MB_FORMAT("not offered to cuBLASLt: types {}, layout {}, bias and aux {}; c {}",
-                   n.types ? "ok" : "not one of f32, f16, bf16",
+                   n.types ? "ok" : "not one of f32, f16, bf16 (f32: the bias epilogue only)",
                    n.layout ? "ok" : "not 2-d row-major c within int range",
                    n.vectors ? "ok" : "under-aligned or aux ld not a multiple of 8", describe(n.c));
 }
@@ -303,16 +303,21 @@ struct LtEpilogue {
 bool lt_matmul(const StridedView& a, const StridedView& b, const StridedView& c,
                const LtEpilogue& e) {
   const std::int64_t m = c.shape[1], n = c.shape[2], k = a.shape[2];
+  // f32 takes only the bias epilogue, which adds exactly: cuBLASLt's GELU and its derivative may
+  // use a fast tanh, whose error the derivative magnifies past f32's parity (f32 means f32).
+  const bool gelu = e.kind != CUBLASLT_EPILOGUE_BIAS;
   const bool lt_types = a.dtype == b.dtype && a.dtype == c.dtype &&
-                        (a.dtype == DType::f32 || a.dtype == DType::f16 || a.dtype == DType::bf16);
+                        (a.dtype == DType::f16 || a.dtype == DType::bf16 ||
+                         (a.dtype == DType::f32 && !gelu));
   const BlasMatrix mc = blas_matrix(m, n, c.strides[1], c.strides[2]);
   const BlasMatrix ma = blas_matrix(m, k, a.strides[1], a.strides[2]);
   const BlasMatrix mb = blas_matrix(k, n, b.strides[1], b.strides[2]);
   const bool lt_layout = k > 0 && a.shape[0] == 1 && b.shape[0] == 1 && mc.ok && mc.row_major &&
                          ma.ok && mb.ok && m <= INT_MAX && n <= INT_MAX && k <= INT_MAX;
-  // Lt has no alignment preference for the bias and aux: an under-aligned one (a bias at an odd
-  // place in the parameter arena) is not offered; aux rows must be a multiple of 8 apart.
-  const bool lt_vectors = (e.bias == nullptr || n == 1 || alignment_of(e.bias) >= 16) &&
+  // Lt has no alignment preference for the bias and aux, and its kernels may load them 16 bytes at
+  // a time: an under-aligned one (a bias at an odd place in the parameter arena, a one-element
+  // bias too) is not offered; aux rows must be a multiple of 8 apart.
+  const bool lt_vectors = (e.bias == nullptr || alignment_of(e.bias) >= 16) &&
                           (e.aux == nullptr || (alignment_of(e.aux) >= 16 && e.aux_ld % 8 == 0 &&
                                                 e.aux_ld >= n));
   if (!epilogue_wanted()) return false;

@@ -70,6 +70,18 @@ void check_throws_with(const std::function<void()>& body, const std::string& nee
 
 bool has_cuda();
 
+/// Note [Rehearsing the CUDA cases]: with MB_TEST_CUDA_REHEARSAL=1 on a machine without a CUDA
+/// device, the CUDA cases (MB_CUDA_TEST_CASE) run with the CPU standing in for cuda:0: CPU
+/// against CPU, so they check nothing of the CUDA backend, only that each case's own set-up,
+/// shapes, indices and expectations hold, which a machine without a GPU cannot otherwise show.
+/// The real run stays skipped and is counted so; the rehearsal is a ctest entry of its own
+/// (core_cuda_rehearsal, train_cuda_rehearsal). Cases whose checks are about the device itself
+/// (its allocator, streams, cuBLASLt's calls) are MB_CUDA_ONLY_TEST_CASE and skip there too.
+bool cuda_rehearsal();
+
+/// The device the CUDA cases put their device side on: cuda:0, or the CPU in a rehearsal.
+Device test_gpu();
+
 /// Tolerances of a CPU-vs-CUDA comparison (the f32 1e-3; REFERENCE.md's table for 16-bit).
 struct ParityOptions {
   double rtol = 1e-3;
@@ -104,6 +116,15 @@ std::string run_in_child(const std::function<std::string()>& body, ChildLimits l
 
 }  // namespace microbatch::testing
 
-/// A test case that needs a CUDA device; doctest counts it as skipped where there is none.
-#define MB_CUDA_TEST_CASE(name) \
-  TEST_CASE(name * doctest::skip(!::microbatch::testing::has_cuda()) * doctest::description("cuda"))
+/// A test case that needs a CUDA device; doctest counts it as skipped where there is none, and
+/// runs it on the CPU in a rehearsal (Note [Rehearsing the CUDA cases]). All are in the test suite
+/// "cuda" (doctest's --test-suite=cuda).
+#define MB_CUDA_TEST_CASE(name)                                                  \
+  TEST_CASE(name *                                                               \
+            doctest::skip(!::microbatch::testing::has_cuda() &&                  \
+                          !::microbatch::testing::cuda_rehearsal()) *            \
+            doctest::test_suite("cuda"))
+
+/// A CUDA case with nothing to rehearse on the CPU: skipped wherever there is no device.
+#define MB_CUDA_ONLY_TEST_CASE(name) \
+  TEST_CASE(name * doctest::skip(!::microbatch::testing::has_cuda()) * doctest::test_suite("cuda"))

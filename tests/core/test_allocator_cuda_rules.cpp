@@ -501,7 +501,7 @@ TEST_CASE("segmented allocator: meta mirroring CUDA moves like a Segmented alloc
   }
 }
 
-MB_CUDA_TEST_CASE("segmented allocator: cuda:0 and meta mirroring CUDA reach the same peaks") {
+MB_CUDA_ONLY_TEST_CASE("segmented allocator: cuda:0 and meta mirroring CUDA reach the same peaks") {
   const Device gpu = cuda_device(0);
   CHECK(allocator(gpu).rules() == AllocatorRules::Segmented);
   const MemoryStats gpu_start = clean_start(gpu);

@@ -57,6 +57,24 @@ OpFn attention(bool causal, bool heads_inner) {
   };
 }
 
+// GPT's attention (nn/models.cpp): q, k and v split from one (B, T, 3C) projection, their heads
+// viewed as (B, H, T, D), the output back to (B, T, C). On CUDA the kernels read the three as
+// strided views of one buffer and write their gradients as slices of one (B, T, 3C) buffer.
+OpFn split_attention(std::int64_t heads) {
+  return [heads](const V& in) {
+    const Tensor& qkv = in[0];
+    const std::int64_t b = qkv.shape()[0], t = qkv.shape()[1], c = qkv.shape()[2] / 3;
+    const bool cpu = qkv.device().is_cpu();
+    const std::vector<Tensor> parts = split(cpu ? qkv.to(DType::f32) : qkv, c, 2);
+    V x;
+    for (const Tensor& p : parts) x.push_back(p.reshape({b, t, heads, c / heads}).transpose(1, 2));
+    AttentionOptions options;
+    options.causal = true;
+    const Tensor y = scaled_dot_product_attention(x[0], x[1], x[2], options);
+    return y.transpose(1, 2).reshape({b, t, c}).to(qkv.dtype());
+  };
+}
+
 struct Case {
   std::int64_t b, h, t, s, d;
   bool heads_inner = false;
@@ -71,12 +89,12 @@ std::string describe(const Case& c, DType dt, bool causal, AttentionKernel k) {
 V gpu_grads(const OpFn& f, const V& inputs) {
   V on_gpu;
   for (const Tensor& t : inputs) {
-    Tensor g = t.detach().to(cuda_device(0));
+    Tensor g = t.detach().to(test_gpu());
     g.requires_grad_(true);
     on_gpu.push_back(g);
   }
   Tensor out = f(on_gpu);
-  Tensor r = input(out.shape(), -1, 1, 99).detach().to(out.dtype()).to(cuda_device(0));
+  Tensor r = input(out.shape(), -1, 1, 99).detach().to(out.dtype()).to(test_gpu());
   sum(out * r).backward();
   V grads{out.detach().to(kCPU)};
   for (const Tensor& t : on_gpu) grads.push_back(t.grad().to(kCPU));
@@ -96,6 +114,7 @@ MB_CUDA_TEST_CASE("cuda attention in f16 and bf16, tensor-core and f32-math kern
       {2, 3, 130, 130, 64, true},  // (B, T, H, D) read as (B, H, T, D): strided 16-byte loads
       {1, 2, 300, 300, 64},        // several walked tiles per block
       {1, 1, 5, 5, 1},             // D = 1
+      {1, 2, 70, 70, 96},          // D = 96: the 128-wide kernels, zero past D
   };
   for (AttentionKernel kernel : {AttentionKernel::tensor, AttentionKernel::simt}) {
     KernelScope scope(kernel);
@@ -108,6 +127,20 @@ MB_CUDA_TEST_CASE("cuda attention in f16 and bf16, tensor-core and f32-math kern
           check_cuda_parity(describe(c, dt, causal, kernel), attention(causal, c.heads_inner),
                             {q, k, v}, parity_tolerance(dt));
         }
+      }
+    }
+  }
+}
+
+MB_CUDA_TEST_CASE("cuda attention on q, k, v split from one projection, as GPT's heads are") {
+  // The gradients come back as slices of one (B, T, 3C) buffer with rows 3C apart.
+  for (AttentionKernel kernel : {AttentionKernel::tensor, AttentionKernel::simt}) {
+    KernelScope scope(kernel);
+    for (DType dt : {DType::bf16, DType::f16}) {
+      for (const Case& c : {Case{2, 4, 70, 70, 64}, Case{1, 2, 33, 33, 32}}) {
+        const Shape shape{c.b, c.t, 3 * c.h * c.d};
+        check_cuda_parity(describe(c, dt, true, kernel) + " split from (B, T, 3C)",
+                          split_attention(c.h), {leaf(shape, dt, 64, -2, 2)}, parity_tolerance(dt));
       }
     }
   }

@@ -401,8 +401,8 @@ MB_CUDA_TEST_CASE("cuda matmul: every shape rule, layout and dtype") {
 
 MB_CUDA_TEST_CASE("cuda matmul: 16-bit accumulates in f32 and gives 16-bit") {
   for (DType dt : {DType::f16, DType::bf16}) {
-    Tensor a = ones({1, 4096}, {.dtype = dt, .device = cuda_device(0)});
-    Tensor b = full({4096, 1}, 1.0 / 64, {.dtype = dt, .device = cuda_device(0)});
+    Tensor a = ones({1, 4096}, {.dtype = dt, .device = test_gpu()});
+    Tensor b = full({4096, 1}, 1.0 / 64, {.dtype = dt, .device = test_gpu()});
     Tensor c = matmul(a, b);
     CHECK(c.dtype() == dt);
     CHECK(c.to(kCPU).item() == 64.0);
@@ -444,7 +444,7 @@ MB_CUDA_TEST_CASE("cuda linear: the bias in cuBLASLt's epilogue equals bias rows
       CAPTURE(dtype_name(dt));
       CAPTURE(s.m);
       CAPTURE(s.n);
-      const Device gpu = cuda_device(0);
+      const Device gpu = test_gpu();
       const Tensor x = input({s.m, s.k}, -1, 1, 1).to(gpu, dt);
       const Tensor xt = input({s.k, s.m}, -1, 1, 1).to(gpu, dt).t();
       const Tensor w = input({s.n, s.k}, -1, 1, 2).to(gpu, dt);
@@ -535,17 +535,17 @@ MB_CUDA_TEST_CASE("cuda gelu_mlp: GELU and its derivative through identity weigh
       sum(y).backward();
       return std::pair{y.to(kCPU), x.grad().to(kCPU)};
     };
-    const auto [y_gpu, dx_gpu] = run(cuda_device(0));
+    const auto [y_gpu, dx_gpu] = run(test_gpu());
     const auto [y_cpu, dx_cpu] = run(kCPU);
     check_close(y_gpu.to(DType::f64), y_cpu.to(DType::f64), 0.0, 1e-3, "GELU");
     check_close(dx_gpu.to(DType::f64), dx_cpu.to(DType::f64), 0.0, 1e-3, "GELU'");
   }
 }
 
-MB_CUDA_TEST_CASE("cuda gelu_mlp: 16-bit MLPs take cuBLASLt's bias, GELU and DGELU epilogues") {
+MB_CUDA_ONLY_TEST_CASE("cuda gelu_mlp: 16-bit MLPs take cuBLASLt's bias, GELU and DGELU epilogues") {
   // The epilogues are the point of the node: a bf16 MLP's forward and backward must run one of
   // each (a fallback would pass every other test, only slower).
-  const Device gpu = cuda_device(0);
+  const Device gpu = test_gpu();
   using kernels::cuda::LtCall;
   using kernels::cuda::lt_epilogue_calls;
   const std::int64_t bias = lt_epilogue_calls(LtCall::bias), gelu_calls = lt_epilogue_calls(LtCall::gelu),
@@ -571,7 +571,7 @@ MB_CUDA_TEST_CASE("cuda gelu_mlp: the epilogues and the separate passes agree") 
     ~Restore() { kernels::cuda::set_gemm_bias_epilogue(was); }
   } restore;
   for (DType dt : {DType::bf16, DType::f16}) {
-    const Device gpu = cuda_device(0);
+    const Device gpu = test_gpu();
     std::vector<Tensor> in = {leaf({256, 128}, dt, 1), leaf({512, 128}, dt, 2), leaf({512}, dt, 3),
                               leaf({128, 512}, dt, 4), leaf({128}, dt, 5)};
     auto run = [&](bool epilogue) {
@@ -618,7 +618,7 @@ MB_CUDA_TEST_CASE(
       return std::pair{w.grad(), buffer};
     };
     const auto [cpu_grad, cpu_buffer] = run(kCPU);
-    const auto [gpu_grad, gpu_buffer] = run(cuda_device(0));
+    const auto [gpu_grad, gpu_buffer] = run(test_gpu());
     CHECK(gpu_grad.same_storage(gpu_buffer));  // written in place, no dw temporary
     CHECK(gpu_grad.dtype() == c.grad);
     const ParityOptions tol = parity_tolerance(c.input == DType::f32 ? c.grad : c.input);
@@ -679,7 +679,7 @@ MB_CUDA_TEST_CASE(
       }
       return out;
     };
-    const std::vector<Tensor> cpu = run(kCPU), gpu = run(cuda_device(0));
+    const std::vector<Tensor> cpu = run(kCPU), gpu = run(test_gpu());
     const ParityOptions tol = parity_tolerance(c.param == DType::f32 ? c.buffer : c.param);
     const char* names[] = {"w",     "b",    "w1",   "b1",     "w2",  "b2",
                            "gamma", "beta", "head", "head_b", "one", "one_b"};
@@ -689,7 +689,7 @@ MB_CUDA_TEST_CASE(
 }
 
 MB_CUDA_TEST_CASE("cuda gemm: a layout cuBLAS cannot take is refused with both operands named") {
-  const Device gpu = cuda_device(0);
+  const Device gpu = test_gpu();
   Tensor a = zeros({1, 3, 4}, {.device = gpu}), b = zeros({1, 4, 5}, {.device = gpu});
   Tensor c = zeros({1, 5, 3}, {.device = gpu}).transpose(1, 2);  // (1, 3, 5), column-major
   check_throws_with([&] { kernels::cuda::gemm(a.kview(), b.kview(), c.kview(), 1.0, 0.0); },
@@ -747,7 +747,7 @@ MB_CUDA_TEST_CASE("cuda conv2d: strides, padding, channel counts, bias, layouts 
 }
 
 MB_CUDA_TEST_CASE("cuda conv2d and max_pool2d backward are deterministic") {
-  const Device gpu = cuda_device(0);
+  const Device gpu = test_gpu();
   for (DType dt : {DType::f32, DType::bf16}) {
     auto grads = [&] {
       Tensor x = input({4, 8, 16, 16}, -1, 1, 1).detach().to(gpu, dt).requires_grad_(true);

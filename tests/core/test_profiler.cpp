@@ -239,7 +239,7 @@ TEST_CASE("profiler: MB_PROFILE asks for profiling unless empty or 0") {
   }
 }
 
-MB_CUDA_TEST_CASE("profiler: CUDA scopes are timed with events on the stream") {
+MB_CUDA_ONLY_TEST_CASE("profiler: CUDA scopes are timed with events on the stream") {
   const Device cuda = cuda_device(0);
   for (DType dtype : {DType::f32, DType::bf16}) {
     CAPTURE(dtype_name(dtype));

@@ -373,7 +373,7 @@ TEST_CASE("safetensors: reads a file written by PyTorch and plain Python") {
 }
 
 MB_CUDA_TEST_CASE("safetensors: CUDA tensors are saved from a CPU copy") {
-  Tensor t = arange(0, 6, 1, {.device = cuda_device(0)}).reshape({2, 3}).t();
+  Tensor t = arange(0, 6, 1, {.device = test_gpu()}).reshape({2, 3}).t();
   const auto out = load_safetensors_bytes(save_safetensors_bytes({{"x", t}}));
   CHECK(out.tensors.at("x").device().is_cpu());
   CHECK(out.tensors.at("x").to_vector() == std::vector<double>{0, 3, 1, 4, 2, 5});

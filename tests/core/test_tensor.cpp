@@ -821,8 +821,8 @@ TEST_CASE("a CUDA device that does not exist gives a clear error") {
   }
 }
 
-MB_CUDA_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and layouts") {
-  const Device gpu = cuda_device(0);
+MB_CUDA_ONLY_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and layouts") {
+  const Device gpu = test_gpu();
   GeneratorStateGuard restore;
   manual_seed(77);
   Tensor x = randn({33, 65});

@@ -245,11 +245,11 @@ MB_CUDA_TEST_CASE("an MLP trained 20 steps on cuda:0 ends within 1e-4 of the sam
                                  .max_steps = 20, .learning_rate = 1e-3, .logging_steps = 1, .seed = 5};
   TrainingArguments on_cpu = common, on_gpu = common;
   on_cpu.use_cpu = true;
-  on_gpu.device = "cuda:0";
+  on_gpu.device = test_gpu().str();
   const Run cpu = train_run(mlp({64, 32}), on_cpu, data);
   const Run gpu = train_run(mlp({64, 32}), on_gpu, data);
   CHECK(cpu.device == kCPU);
-  CHECK(gpu.device == cuda_device(0));
+  CHECK(gpu.device == test_gpu());
   REQUIRE(gpu.losses.size() == 20);
   for (std::size_t i = 0; i < 20; ++i) CHECK(gpu.losses[i] == doctest::Approx(cpu.losses[i]).epsilon(1e-4));
   check_weights_close(gpu, cpu, 1e-4, 1e-4);
@@ -262,7 +262,7 @@ MB_CUDA_TEST_CASE("an MLP trained 20 steps on cuda:0 ends within 1e-4 of the sam
   };
   nn::MLP host = model(), raw = model(), accelerated = model();
   const std::vector<double> lh = examples::train_raw_loop(host, data, config);
-  config.device = cuda_device(0);
+  config.device = test_gpu();
   const std::vector<double> lr = examples::train_raw_loop(raw, data, config);
   const std::vector<double> la = examples::train_with_accelerator(accelerated, data, config);
   REQUIRE((lr.size() == lh.size() && la.size() == lh.size()));
@@ -272,7 +272,7 @@ MB_CUDA_TEST_CASE("an MLP trained 20 steps on cuda:0 ends within 1e-4 of the sam
   }
   auto ph = host.named_parameters(), pr = raw.named_parameters(), pa = accelerated.named_parameters();
   for (std::size_t i = 0; i < ph.size(); ++i) {
-    CHECK(pr[i].second.device() == cuda_device(0));
+    CHECK(pr[i].second.device() == test_gpu());
     check_close(pr[i].second.to(kCPU), ph[i].second, 1e-4, 1e-4, "raw loop " + ph[i].first);
     check_close(pa[i].second.to(kCPU), ph[i].second, 1e-4, 1e-4, "accelerator " + ph[i].first);
   }
@@ -285,7 +285,7 @@ MB_CUDA_TEST_CASE("a bf16 run on cuda:0 stays within bf16 tolerance of the bf16 
                                  .seed = 6};
   TrainingArguments on_cpu = common, on_gpu = common;
   on_cpu.use_cpu = true;
-  on_gpu.device = "cuda";
+  on_gpu.device = test_gpu().str();
   const Run cpu = train_run(mlp({64, 32}), on_cpu, data);
   const Run gpu = train_run(mlp({64, 32}), on_gpu, data);
   REQUIRE(gpu.losses.size() == 20);
@@ -329,14 +329,14 @@ MB_CUDA_TEST_CASE("the Trainer on cuda:0 under a budget never exceeds it, and pr
     return collate(ex);
   };
   MemoryPlanner probe([&](bool ckpt) { auto m = init(); m->set_gradient_checkpointing(ckpt); return m; }, sample,
-                      {.budget = 1LL << 34, .effective_batch = 512, .device = cuda_device(0)});
+                      {.budget = 1LL << 34, .effective_batch = 512, .device = test_gpu()});
   const std::int64_t budget =
       static_cast<std::int64_t>(static_cast<double>(probe.predict_window(128, false).total()) / 0.95) + 4096;
   TrainingArguments args{.per_device_train_batch_size = kAutoBatch, .train_batch_size = 512,
                          .memory_budget = budget, .max_steps = 6, .learning_rate = 1e-3, .logging_steps = 1,
-                         .device = "cuda"};
+                         .device = test_gpu().str()};
   const Run run = train_run(init, args, data);
-  CHECK(run.plan.device == cuda_device(0));
+  CHECK(run.plan.device == test_gpu());
   CHECK(run.plan.micro_batch_size >= 128);
   CHECK(run.plan.micro_batch_size < 512);
   REQUIRE(run.log.size() == 6);
@@ -361,7 +361,7 @@ MB_CUDA_TEST_CASE("a checkpoint written on cuda:0 resumes on the CPU, and one wr
     writer.output_dir = first.path.string();
     reader.output_dir = second.path.string();
     reader.resume_from_checkpoint = (first.path / "checkpoint-5").string();
-    (write_on_gpu ? writer.device : reader.device) = "cuda:0";
+    (write_on_gpu ? writer.device : reader.device) = test_gpu().str();
     (write_on_gpu ? reader.use_cpu : writer.use_cpu) = true;
     const Run written = train_run(mlp({32}), writer, data);
     const Run resumed = train_run(mlp({32}), reader, data);

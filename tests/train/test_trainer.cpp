@@ -504,7 +504,7 @@ MB_CUDA_TEST_CASE(
   TrainingArguments cpu = inf_run(dir.path / "cpu", 3), gpu = inf_run(dir.path / "gpu", 3);
   cpu.fp16 = gpu.fp16 = false;
   gpu.use_cpu = false;
-  gpu.device = "cuda:0";
+  gpu.device = test_gpu().str();
   quiet_train(cpu, data);
   quiet_train(gpu, data);
   const std::vector<nlohmann::json> on_cpu = step_lines(dir.path / "cpu"),
