@@ -8,6 +8,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 
-bash "$ROOT/scripts/setup.sh"
+# The GPU benchmarks too (in a CUDA build): their logic runs on the CPU among the tests.
+bash "$ROOT/scripts/setup.sh" -DMB_BUILD_BENCHMARKS=ON
 cd "$BUILD_DIR"
 ctest --output-on-failure --verbose "$@"
