@@ -285,6 +285,17 @@ namespace {
 // Copies between a CUDA device and the host move raw bytes between contiguous buffers: each side
 // converts and re-strides on its own, staging through a contiguous temporary where needed.
 
+// The bytes [first, last] of its storage that a non-empty tensor's elements lie within.
+std::pair<std::int64_t, std::int64_t> byte_span(const Tensor& t) {
+  std::int64_t first = t.offset(), last = t.offset();
+  for (int i = 0; i < t.dim(); ++i) {
+    const std::int64_t reach = t.strides()[i] * (t.shape()[i] - 1);
+    (reach < 0 ? first : last) += reach;
+  }
+  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return {first * size, (last + 1) * size - 1};
+}
+
 // dst on CUDA, src on the host (already of dst's shape).
 void copy_host_to_cuda(const Tensor& dst, const Tensor& src) {
   const int device = dst.device().index;
@@ -304,9 +315,29 @@ void copy_host_to_cuda(const Tensor& dst, const Tensor& src) {
 }
 
 // dst on the host, src on CUDA (already of dst's shape). Waits for the device, so it raises a
-// pending index error (Note [Deferred index errors] in kernels/index.h).
+// pending index error (Note [Deferred index errors] in kernels/index.h). A source that is not
+// contiguous but lies within a span of at most twice its bytes (padded 16-bit rows, Note [Padded
+// rows]; a transposed view) comes over as that span and is re-strided on the host, so that the
+// copy takes no device memory: GPT-2's padded logits for predict() would otherwise stage a
+// second copy of themselves on the device. A sparser view is gathered on the device first.
 void copy_cuda_to_host(const Tensor& dst, const Tensor& src) {
   const int device = src.device().index;
+  if (!src.is_contiguous() && src.numel() > 0) {
+    const auto [first, last] = byte_span(src);
+    const std::int64_t span = last - first + 1;
+    if (span <= 2 * static_cast<std::int64_t>(src.nbytes())) {
+      const auto size = static_cast<std::int64_t>(dtype_size(src.dtype()));
+      const Tensor bytes = empty({span / size}, {.dtype = src.dtype()});
+      kernels::cuda::memcpy_device_to_host(
+          bytes.raw_data(), static_cast<const char*>(src.storage()->data) + first,
+          static_cast<std::size_t>(span), device);
+      kernels::cuda::raise_pending_index_error(device);
+      const Tensor view = make_strided(bytes.storage(), src.shape(), src.strides(),
+                                       src.offset() - first / size, src.dtype());
+      kernels::cpu::copy(dst.kview(), view.kview());
+      return;
+    }
+  }
   Tensor staged = src;  // contiguous, in src's dtype
   if (!staged.is_contiguous()) {
     staged = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
@@ -328,16 +359,6 @@ void copy_on_cuda(const Tensor& dst, const Tensor& src) {
   kernels::cuda::copy(dst.kview(), src.kview());
 }
 
-// The bytes [first, last] of its storage that a non-empty tensor's elements lie within.
-std::pair<std::int64_t, std::int64_t> byte_span(const Tensor& t) {
-  std::int64_t first = t.offset(), last = t.offset();
-  for (int i = 0; i < t.dim(); ++i) {
-    const std::int64_t reach = t.strides()[i] * (t.shape()[i] - 1);
-    (reach < 0 ? first : last) += reach;
-  }
-  const auto size = static_cast<std::int64_t>(dtype_size(t.dtype()));
-  return {first * size, (last + 1) * size - 1};
-}
 
 }  // namespace
 

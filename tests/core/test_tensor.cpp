@@ -845,3 +845,42 @@ MB_CUDA_ONLY_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and 
   Tensor i = arange(0, 10, 1, {.dtype = DType::i64});
   CHECK(i.to(gpu).to(kCPU).to_vector() == i.to_vector());
 }
+
+MB_CUDA_ONLY_TEST_CASE("cuda -> CPU: a view within twice its bytes comes over without a device copy") {
+  // Padded 16-bit rows (a linear's output, Note [Padded rows]), a transposed view and rows out of
+  // a wider tensor come over as their span, re-strided on the host; every third row is gathered
+  // on the device first. Values as the CPU's either way, into the same and another dtype.
+  const Device gpu = cuda_device(0);
+  const Tensor x = input({40, 16}, -1, 1, 5).detach().to(DType::bf16);
+  const Tensor w = input({33, 16}, -1, 1, 6).detach().to(DType::bf16);
+  const Tensor wide = input({40, 40}, -1, 1, 7).detach();
+  const Tensor logits = linear(x.to(gpu), w.to(gpu));
+  REQUIRE_MESSAGE(!logits.is_contiguous(), "a 33-wide bf16 linear's rows are padded on the GPU");
+  struct Case {
+    const char* name;
+    Tensor on_gpu, expected;
+    bool staged;
+  };
+  const Tensor wide_gpu = wide.to(gpu);
+  const std::vector<Case> cases = {
+      {"padded bf16 rows", logits, logits.contiguous().to(kCPU), false},
+      {"transposed", wide_gpu.t(), wide.t(), false},
+      {"33 of 40 columns", wide_gpu.slice(1, 2, 35), wide.slice(1, 2, 35), false},
+      {"every third row", wide_gpu.slice(0, 0, 40, 3), wide.slice(0, 0, 40, 3), true},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    reset_peak_memory_stats(gpu);
+    const std::int64_t before = memory_stats(gpu).allocated.current;
+    const Tensor same = c.on_gpu.to(kCPU);
+    const std::int64_t extra = memory_stats(gpu).allocated.peak - before;
+    CHECK(same.dtype() == c.on_gpu.dtype());
+    CHECK(same.to_vector() == c.expected.to_vector());
+    CHECK(c.on_gpu.to(kCPU, DType::f64).to_vector() == c.expected.to(DType::f64).to_vector());
+    if (c.staged) {
+      CHECK(extra > 0);
+    } else {
+      CHECK(extra == 0);
+    }
+  }
+}
