@@ -445,6 +445,46 @@ int main(int argc, char** argv) {
     // (a device fault is sticky, so after one every later kernel may fail too, each saying so).
     std::vector<Result> results;
     nlohmann::json errors = nlohmann::json::array();
+    double copy_gbps = std::nan("");  // no ratios without it
+    // kernels.json is written after every kernel, so that a run killed part-way (a hang, its time
+    // box) still hands over what it measured; the table is printed once, at the end.
+    bool all_checked = true, all_targets = true;
+    auto write_report = [&](bool print) {
+      all_checked = all_targets = true;
+      nlohmann::json kernels = nlohmann::json::array();
+      if (print) {
+        std::printf("\n%-30s %10s %10s %10s %8s %7s  %s\n", "kernel", "MB moved", "median ms",
+                    "GB/s", "vs copy", "target", "check");
+      }
+      for (const Result& r : results) {
+        nlohmann::json j = to_json(r, copy_gbps);
+        kernels.push_back(j);
+        all_checked &= r.checked;
+        const bool meets = !j.contains("meets_target") || j["meets_target"].get<bool>();
+        all_targets &= meets;
+        if (!print) continue;
+        std::printf("%-30s %10.1f %10.4f %10.1f %8.3f %7s  %s\n", r.name.c_str(), r.bytes / 1e6,
+                    r.timing.median_ms, j["gb_per_s"].get<double>(),
+                    j["ratio_to_copy"].get<double>(),
+                    r.target > 0 ? fmt::format("{}{:.2f}", meets ? ">=" : "< ", r.target).c_str()
+                                 : "-",
+                    r.checked ? "ok" : "FAILED");
+      }
+      const mb::MemoryStats stats = mb::memory_stats(dev);
+      mb::bench::write_json(json_path, {{"benchmark", "kernels"},
+                                        {"implementation", "microbatch"},
+                                        {"device", mb::bench::device_name(dev)},
+                                        {"sizes", quick || dev.is_cpu() ? "quick" : "full"},
+                                        {"reps", reps},
+                                        {"warmup", warmup},
+                                        {"copy_gb_per_s", copy_gbps},
+                                        {"kernels", kernels},
+                                        {"errors", errors},
+                                        {"all_checked", all_checked && errors.empty()},
+                                        {"all_targets_met", all_targets && errors.empty()},
+                                        {"peak_allocated_bytes", stats.allocated.peak},
+                                        {"peak_reserved_bytes", stats.reserved.peak}});
+    };
     auto attempt = [&](const char* name, auto&& run) {
       try {
         run();
@@ -456,8 +496,8 @@ int main(int argc, char** argv) {
         } catch (const std::exception&) {
         }
       }
+      write_report(false);
     };
-    double copy_gbps = std::nan("");  // no ratios without it
     attempt("copy", [&] {
       results.push_back(bench_copy(dev, sizes, warmup, reps));
       copy_gbps = mb::bench::gb_per_s(results.back().bytes, results.back().timing.median_ms);
@@ -489,35 +529,7 @@ int main(int argc, char** argv) {
       });
     }
 
-    bool all_checked = true, all_targets = true;
-    nlohmann::json kernels = nlohmann::json::array();
-    std::printf("\n%-30s %10s %10s %10s %8s %7s  %s\n", "kernel", "MB moved", "median ms", "GB/s", "vs copy",
-                "target", "check");
-    for (const Result& r : results) {
-      nlohmann::json j = to_json(r, copy_gbps);
-      kernels.push_back(j);
-      all_checked &= r.checked;
-      const bool meets = !j.contains("meets_target") || j["meets_target"].get<bool>();
-      all_targets &= meets;
-      std::printf("%-30s %10.1f %10.4f %10.1f %8.3f %7s  %s\n", r.name.c_str(), r.bytes / 1e6, r.timing.median_ms,
-                  j["gb_per_s"].get<double>(), j["ratio_to_copy"].get<double>(),
-                  r.target > 0 ? fmt::format("{}{:.2f}", meets ? ">=" : "< ", r.target).c_str() : "-",
-                  r.checked ? "ok" : "FAILED");
-    }
-    const mb::MemoryStats stats = mb::memory_stats(dev);
-    mb::bench::write_json(json_path, {{"benchmark", "kernels"},
-                                      {"implementation", "microbatch"},
-                                      {"device", mb::bench::device_name(dev)},
-                                      {"sizes", quick || dev.is_cpu() ? "quick" : "full"},
-                                      {"reps", reps},
-                                      {"warmup", warmup},
-                                      {"copy_gb_per_s", copy_gbps},
-                                      {"kernels", kernels},
-                                      {"errors", errors},
-                                      {"all_checked", all_checked && errors.empty()},
-                                      {"all_targets_met", all_targets && errors.empty()},
-                                      {"peak_allocated_bytes", stats.allocated.peak},
-                                      {"peak_reserved_bytes", stats.reserved.peak}});
+    write_report(true);
     if (!errors.empty()) {
       std::printf("%zu kernel(s) failed to run (see above)\n", errors.size());
     }

@@ -24,7 +24,7 @@
 #   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
 #   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
 #   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
-#   tests_core     the doctest suites; their CUDA cases run here (doctest's counts are recorded)
+#   tests_core     the doctest suites' CUDA cases (--test-suite=cuda; doctest's counts are recorded)
 #   tests_train
 #   sanitizer      compute-sanitizer memcheck on short training runs of tiny GPTs on cuda:0 (f32, bf16)
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
@@ -36,7 +36,7 @@
 # rewritten after every stage (a stage in flight shows as "running"). A failing stage does not
 # stop the others. The script stops starting
 # stages when its deadline is near, so that it ends within MB_GPU_CHECK_SECONDS (default 480), and
-# cuts time boxes short so that the comparison keeps 15 s (the planner and the comparison 75 s while
+# cuts time boxes short so that the comparison keeps 15 s (the planner and the comparison 105 s while
 # the tests and memcheck run). On a machine without a GPU the GPU stages are skipped, saying so.
 # Exit status: 1 when a stage failed or timed out; 2 when none did but some were not started for
 # lack of time, or at once for a setting below that it cannot use; 0 otherwise.
@@ -460,11 +460,12 @@ gpu_stage torch_kernels && need_torch torch_kernels &&
   run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
 
 # ---- tests (their CUDA cases run where there is a GPU) ------------------------------------------
-KEEP=75  # room for the planner's runs and the comparison, whatever a test suite or memcheck does
+KEEP=105  # room for the planner's runs and the comparison, whatever a test suite or memcheck does
 for suite in tests_core tests_train; do
   if ready "$suite" "$suite"; then
-    # From the build folder, as CTest runs them.
-    run_stage "$suite" 90 15 bash -c "cd '$BUILD_DIR' && exec ./$suite"
+    # From the build folder, as CTest runs them; the CUDA cases only (doctest's test suite cuda):
+    # the CPU cases are the tests' run on any machine, and would spend the GPU's time.
+    run_stage "$suite" 90 15 bash -c "cd '$BUILD_DIR' && exec ./$suite --test-suite=cuda"
   fi
 done
 
@@ -492,7 +493,7 @@ if gpu_stage sanitizer && ready sanitizer microbatch; then
 fi
 KEEP=15  # for the comparison
 gpu_stage planner && ready planner microbatch &&
-  run_stage planner 150 60 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
+  run_stage planner 150 90 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
 KEEP=0
 if gpu_stage compare; then
   if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/gpt2_simt.json" || -f "$OUT/planner.json" ||
