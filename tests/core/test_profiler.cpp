@@ -254,7 +254,8 @@ MB_CUDA_ONLY_TEST_CASE("profiler: CUDA scopes are timed with events on the strea
     Tensor x = ones({1000003}, {.dtype = dtype, .device = cuda});
     Tensor y = x;
     for (int i = 0; i < 1500; ++i) y = y + x;
-    CHECK(big.to(kCPU).slice(0, 0, 1).slice(1, 0, 1).item() == 1.0);
+    // Read in f64 from the device: item() on an f32 CPU tensor would cast, a CPU scope.
+    CHECK(big.to(kCPU, DType::f64).slice(0, 0, 1).slice(1, 0, 1).item() == 1.0);
     const profiler::ProfileReport r = profiler::report();
     CHECK(calls(r, "matmul") == 3 + 8);
     CHECK(row(r, "matmul").device_calls == 3 + 8);
