@@ -159,6 +159,12 @@ def compare_kernels(ours, torch_, summary):
         print(f"  {name:<30}  failed: {e.get('error')}")
         summary["kernels"][name] = dict(result="failed", error=e.get("error"))
         ok = False
+    # bench_kernels_cuda rewrites its JSON after every kernel: "complete": false is a run cut short,
+    # whose later kernels were never measured (files from before the field have none: complete).
+    if ours.get("complete", True) is False:
+        print("  the run was cut short: the kernels after the last one above were not measured")
+        summary["kernels"]["(run cut short)"] = dict(result="failed")
+        ok = False
     for n in notes:
         print(n)
     return ok

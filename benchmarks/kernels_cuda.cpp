@@ -447,7 +447,8 @@ int main(int argc, char** argv) {
     nlohmann::json errors = nlohmann::json::array();
     double copy_gbps = std::nan("");  // no ratios without it
     // kernels.json is written after every kernel, so that a run killed part-way (a hang, its time
-    // box) still hands over what it measured; the table is printed once, at the end.
+    // box) still hands over what it measured ("complete": false); the table is printed once, at
+    // the end, with the last write.
     bool all_checked = true, all_targets = true;
     auto write_report = [&](bool print) {
       all_checked = all_targets = true;
@@ -482,6 +483,7 @@ int main(int argc, char** argv) {
                                         {"errors", errors},
                                         {"all_checked", all_checked && errors.empty()},
                                         {"all_targets_met", all_targets && errors.empty()},
+                                        {"complete", print},  // false while kernels remain
                                         {"peak_allocated_bytes", stats.allocated.peak},
                                         {"peak_reserved_bytes", stats.reserved.peak}});
     };
@@ -496,7 +498,11 @@ int main(int argc, char** argv) {
         } catch (const std::exception&) {
         }
       }
-      write_report(false);
+      try {
+        write_report(false);
+      } catch (const std::exception& e) {  // the last write, after every kernel, says it again
+        std::fprintf(stderr, "bench_kernels_cuda: %s\n", e.what());
+      }
     };
     attempt("copy", [&] {
       results.push_back(bench_copy(dev, sizes, warmup, reps));

@@ -24,7 +24,8 @@
 #   torch_gpt2     benchmarks/torch_gpt2.py             -> OUTDIR/torch_gpt2.json
 #   torch_attention benchmarks/torch_attention.py       -> OUTDIR/torch_attention.json
 #   torch_kernels  benchmarks/torch_kernels.py          -> OUTDIR/torch_kernels.json
-#   tests_core     the doctest suites' CUDA cases (--test-suite=cuda; doctest's counts are recorded)
+#   tests_core     the doctest suites (with a GPU their CUDA cases only, --test-suite=cuda, at
+#                  least one of which must pass; doctest's counts are recorded)
 #   tests_train
 #   sanitizer      compute-sanitizer memcheck on short training runs of tiny GPTs on cuda:0 (f32, bf16)
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
@@ -463,9 +464,20 @@ gpu_stage torch_kernels && need_torch torch_kernels &&
 KEEP=105  # room for the planner's runs and the comparison, whatever a test suite or memcheck does
 for suite in tests_core tests_train; do
   if ready "$suite" "$suite"; then
-    # From the build folder, as CTest runs them; the CUDA cases only (doctest's test suite cuda):
-    # the CPU cases are the tests' run on any machine, and would spend the GPU's time.
-    run_stage "$suite" 90 15 bash -c "cd '$BUILD_DIR' && exec ./$suite --test-suite=cuda"
+    # From the build folder, as CTest runs them. With a GPU, the CUDA cases only (doctest's test
+    # suite cuda): the CPU cases are the test command's on any machine, and would spend the GPU's
+    # time; and none of them passing means the runtime saw no device, which is no pass. Never a
+    # rehearsal (Note [Rehearsing the CUDA cases] in tests/core/harness.h).
+    run_stage "$suite" 90 15 bash -c '
+      cd "$1" || exit 1
+      if [[ $3 != 1 ]]; then exec env -u MB_TEST_CUDA_REHEARSAL "./$2"; fi
+      env -u MB_TEST_CUDA_REHEARSAL "./$2" --test-suite=cuda 2>&1 | tee "$2.cuda.log"
+      rc=${PIPESTATUS[0]}
+      if ((rc == 0)) && ! grep -Eq "test cases: *[0-9]+ *\| *[1-9][0-9]* passed" "$2.cuda.log"; then
+        echo "gpu_check: no CUDA case of $2 ran: the CUDA runtime sees no device"
+        rc=1
+      fi
+      exit $rc' _ "$BUILD_DIR" "$suite" "$GPU_OK"
   fi
 done
 

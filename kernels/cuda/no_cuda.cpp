@@ -59,8 +59,13 @@ void cross_entropy_forward(const StridedView&, const StridedView&, const Strided
 void cross_entropy_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, CrossEntropyArgs) { no_cuda("cuda::cross_entropy_backward"); }
 void layer_norm_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, double) { no_cuda("cuda::layer_norm_forward"); }
 void layer_norm_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, double) { no_cuda("cuda::layer_norm_backward"); }
-AttentionKernel attention_kernel() { no_cuda("cuda::attention_kernel"); }
-void set_attention_kernel(AttentionKernel) { no_cuda("cuda::set_attention_kernel"); }
+// A setting, not a launch: kept as the CUDA build keeps it, so that code choosing a kernel runs on
+// either build (tests/core/test_cuda_attention.cpp's cases, rehearsed on the CPU).
+namespace {
+AttentionKernel g_attention_kernel = AttentionKernel::tensor;
+}  // namespace
+AttentionKernel attention_kernel() { return g_attention_kernel; }
+void set_attention_kernel(AttentionKernel kernel) { g_attention_kernel = kernel; }
 void attention_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_forward"); }
 void attention_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_backward"); }
 

@@ -809,7 +809,8 @@ TEST_CASE("parse_device and parse_dtype") {
 
 // ---- CUDA --------------------------------------------------------------------------------------
 
-TEST_CASE("a CUDA device that does not exist gives a clear error") {
+// In the test suite "cuda": with a GPU its CUDA branch runs in the GPU check.
+TEST_CASE("a CUDA device that does not exist gives a clear error" * doctest::test_suite("cuda")) {
   // One past the last device exists in no build; in a CPU-only build that is cuda:0.
   const Device missing = cuda_device(cuda_device_count());
   check_throws_with([&] { empty({2}, {.device = missing}); }, "is not available");
@@ -846,7 +847,8 @@ MB_CUDA_ONLY_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and 
   CHECK(i.to(gpu).to(kCPU).to_vector() == i.to_vector());
 }
 
-MB_CUDA_ONLY_TEST_CASE("cuda -> CPU: a view within twice its bytes comes over without a device copy") {
+MB_CUDA_ONLY_TEST_CASE(
+    "cuda -> CPU: a view within twice its bytes comes over without a device copy") {
   // Padded 16-bit rows (a linear's output, Note [Padded rows]), a transposed view and rows out of
   // a wider tensor come over as their span, re-strided on the host; every third row is gathered
   // on the device first. Values as the CPU's either way, into the same and another dtype.

@@ -185,6 +185,13 @@ W("gpt2.json", g)
 '
 check "a micro-batch without a result fails (got $(rc_of gpt2_cut))" json "$WORK/gpt2_cut/compare.json" \
   'j["gpt2"]["4"]["result"] == "failed" and not j["pass"]'
+# bench_kernels_cuda killed after its first kernels: "complete": false, the rest never measured.
+variant kernels_cut "$PASSING"'
+k["kernels"] = k["kernels"][:2]; k["complete"] = False
+W("kernels.json", k)
+'
+check "a kernels.json cut short fails (got $(rc_of kernels_cut))" json "$WORK/kernels_cut/compare.json" \
+  'j["kernels"]["(run cut short)"]["result"] == "failed" and not j["pass"]'
 # AdamW at 0.90 of copy (its 0.85 met) but twice PyTorch's fused AdamW time.
 variant adamw_slower "$PASSING"'
 for x in tk["kernels"]:

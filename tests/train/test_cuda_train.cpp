@@ -74,7 +74,8 @@ void check_weights_close(const Run& actual, const Run& expected, double rtol, do
 
 // ---- where a run goes (any machine) ------------------------------------------------------------
 
-TEST_CASE("TrainingArguments: use_cpu and device choose where training runs") {
+// In the test suite "cuda": with a GPU its CUDA branch runs in the GPU check.
+TEST_CASE("TrainingArguments: use_cpu and device choose where training runs" * doctest::test_suite("cuda")) {
   const TrainingArguments defaults;
   CHECK_FALSE(defaults.use_cpu);
   CHECK(defaults.device.empty());
@@ -119,7 +120,8 @@ TEST_CASE("TrainingArguments: use_cpu and device choose where training runs") {
   CHECK(plan_line["device"] == "cpu");
 }
 
-TEST_CASE("Accelerator: cpu and device choose where the model and batches go") {
+// In the test suite "cuda": with a GPU its CUDA branch runs in the GPU check.
+TEST_CASE("Accelerator: cpu and device choose where the model and batches go" * doctest::test_suite("cuda")) {
   CHECK(Accelerator({.cpu = true}).device() == kCPU);
   CHECK(Accelerator({.device = kCPU}).device() == kCPU);
   CHECK(Accelerator().device() == (cuda_available() ? cuda_device(0) : kCPU));
@@ -285,7 +287,7 @@ MB_CUDA_TEST_CASE("a bf16 run on cuda:0 stays within bf16 tolerance of the bf16 
                                  .seed = 6};
   TrainingArguments on_cpu = common, on_gpu = common;
   on_cpu.use_cpu = true;
-  on_gpu.device = test_gpu().str();
+  on_gpu.device = test_gpu().is_cuda() ? "cuda" : "cpu";  // without an index, as users write it
   const Run cpu = train_run(mlp({64, 32}), on_cpu, data);
   const Run gpu = train_run(mlp({64, 32}), on_gpu, data);
   REQUIRE(gpu.losses.size() == 20);
@@ -334,7 +336,7 @@ MB_CUDA_TEST_CASE("the Trainer on cuda:0 under a budget never exceeds it, and pr
       static_cast<std::int64_t>(static_cast<double>(probe.predict_window(128, false).total()) / 0.95) + 4096;
   TrainingArguments args{.per_device_train_batch_size = kAutoBatch, .train_batch_size = 512,
                          .memory_budget = budget, .max_steps = 6, .learning_rate = 1e-3, .logging_steps = 1,
-                         .device = test_gpu().str()};
+                         .device = test_gpu().is_cuda() ? "cuda" : "cpu"};
   const Run run = train_run(init, args, data);
   CHECK(run.plan.device == test_gpu());
   CHECK(run.plan.micro_batch_size >= 128);
