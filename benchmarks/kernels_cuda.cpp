@@ -450,7 +450,9 @@ int main(int argc, char** argv) {
     // box) still hands over what it measured ("complete": false); the table is printed once, at
     // the end, with the last write.
     bool all_checked = true, all_targets = true;
-    auto write_report = [&](bool print) {
+    enum class Run { going, complete };  // a rewrite after one kernel, or the last write
+    auto write_report = [&](Run run) {
+      const bool print = run == Run::complete;
       all_checked = all_targets = true;
       nlohmann::json kernels = nlohmann::json::array();
       if (print) {
@@ -483,7 +485,7 @@ int main(int argc, char** argv) {
                                         {"errors", errors},
                                         {"all_checked", all_checked && errors.empty()},
                                         {"all_targets_met", all_targets && errors.empty()},
-                                        {"complete", print},  // false while kernels remain
+                                        {"complete", run == Run::complete},
                                         {"peak_allocated_bytes", stats.allocated.peak},
                                         {"peak_reserved_bytes", stats.reserved.peak}});
     };
@@ -499,7 +501,7 @@ int main(int argc, char** argv) {
         }
       }
       try {
-        write_report(false);
+        write_report(Run::going);
       } catch (const std::exception& e) {  // the last write, after every kernel, says it again
         std::fprintf(stderr, "bench_kernels_cuda: %s\n", e.what());
       }
@@ -535,7 +537,7 @@ int main(int argc, char** argv) {
       });
     }
 
-    write_report(true);
+    write_report(Run::complete);
     if (!errors.empty()) {
       std::printf("%zu kernel(s) failed to run (see above)\n", errors.size());
     }

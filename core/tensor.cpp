@@ -314,42 +314,38 @@ void copy_host_to_cuda(const Tensor& dst, const Tensor& src) {
   }
 }
 
-// dst on the host, src on CUDA (already of dst's shape). Waits for the device, so it raises a
-// pending index error (Note [Deferred index errors] in kernels/index.h). A source that is not
-// contiguous but lies within a span of at most twice its bytes (padded 16-bit rows, Note [Padded
-// rows]; a transposed view) comes over as that span and is re-strided on the host, so that the
-// copy takes no device memory: GPT-2's padded logits for predict() would otherwise stage a
-// second copy of themselves on the device. A sparser view is gathered on the device first.
+// dst on the host, src on CUDA (already of dst's shape, not empty). Waits for the device, so it
+// raises a pending index error (Note [Deferred index errors] in kernels/index.h). The bytes that
+// src's elements lie within come over as they are and are re-strided on the host, straight into
+// dst where they already are dst's layout and dtype: a view within twice its bytes (padded 16-bit
+// rows, Note [Padded rows]; a transposed view) so takes no device memory, where GPT-2's padded
+// logits for predict() would otherwise stage a second copy of themselves on the device. A sparser
+// view is gathered on the device first.
 void copy_cuda_to_host(const Tensor& dst, const Tensor& src) {
   const int device = src.device().index;
-  if (!src.is_contiguous() && src.numel() > 0) {
-    const auto [first, last] = byte_span(src);
-    const std::int64_t span = last - first + 1;
-    if (span <= 2 * static_cast<std::int64_t>(src.nbytes())) {
-      const auto size = static_cast<std::int64_t>(dtype_size(src.dtype()));
-      const Tensor bytes = empty({span / size}, {.dtype = src.dtype()});
-      kernels::cuda::memcpy_device_to_host(
-          bytes.raw_data(), static_cast<const char*>(src.storage()->data) + first,
-          static_cast<std::size_t>(span), device);
-      kernels::cuda::raise_pending_index_error(device);
-      const Tensor view = make_strided(bytes.storage(), src.shape(), src.strides(),
-                                       src.offset() - first / size, src.dtype());
-      kernels::cpu::copy(dst.kview(), view.kview());
-      return;
-    }
-  }
-  Tensor staged = src;  // contiguous, in src's dtype
-  if (!staged.is_contiguous()) {
-    staged = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
+  auto span_of = [](const Tensor& t) {
+    const auto [first, last] = byte_span(t);
+    return std::pair{first, last - first + 1};
+  };
+  Tensor from = src;  // what comes over: src, or a dense copy of a sparse view of it
+  if (span_of(src).second > 2 * static_cast<std::int64_t>(src.nbytes())) {
+    from = empty(src.shape(), {.dtype = src.dtype(), .device = src.device()});
     kernels::cuda::set_device(device);
-    kernels::cuda::copy(staged.kview(), src.kview());
+    kernels::cuda::copy(from.kview(), src.kview());
   }
-  Tensor host = dst.is_contiguous() && dst.dtype() == src.dtype()
-                    ? dst
-                    : empty(src.shape(), {.dtype = src.dtype()});
-  kernels::cuda::memcpy_device_to_host(host.raw_data(), staged.raw_data(), host.nbytes(), device);
+  const auto [first, span] = span_of(from);
+  const bool direct = from.is_contiguous() && dst.is_contiguous() && dst.dtype() == from.dtype();
+  const auto size = static_cast<std::int64_t>(dtype_size(from.dtype()));
+  const Tensor host = direct ? dst : empty({span / size}, {.dtype = from.dtype()});
+  kernels::cuda::memcpy_device_to_host(host.raw_data(),
+                                       static_cast<const char*>(from.storage()->data) + first,
+                                       static_cast<std::size_t>(span), device);
   kernels::cuda::raise_pending_index_error(device);
-  if (!host.same_storage(dst)) kernels::cpu::copy(dst.kview(), host.kview());
+  if (!direct) {
+    const Tensor bytes = make_strided(host.storage(), from.shape(), from.strides(),
+                                      from.offset() - first / size, from.dtype());
+    kernels::cpu::copy(dst.kview(), bytes.kview());
+  }
 }
 
 // Both on one CUDA device: one kernel (or memcpy) converts and re-strides. The source does not
@@ -358,7 +354,6 @@ void copy_on_cuda(const Tensor& dst, const Tensor& src) {
   kernels::cuda::set_device(dst.device().index);
   kernels::cuda::copy(dst.kview(), src.kview());
 }
-
 
 }  // namespace
 

@@ -149,13 +149,13 @@ bool has_cuda() { return cuda_available(); }
 bool cuda_rehearsal() {
   static const bool on = [] {
     const char* env = std::getenv("MB_TEST_CUDA_REHEARSAL");
-    const bool asked = env != nullptr && std::string(env) == "1";
-    if (asked && !has_cuda()) {
+    const bool rehearse = env != nullptr && std::string(env) == "1" && !has_cuda();
+    if (rehearse) {
       std::fprintf(stderr,
                    "[rehearsal] CUDA cases run with the CPU standing in for cuda:0: they check the "
                    "cases' own logic, not the CUDA backend (Note [Rehearsing the CUDA cases])\n");
     }
-    return asked && !has_cuda();
+    return rehearse;
   }();
   return on;
 }

@@ -378,7 +378,7 @@ MB_CUDA_TEST_CASE("cuda embedding gradients of repeated rows equal the CPU's bit
 
 MB_CUDA_ONLY_TEST_CASE(
     "cuda index errors are raised at the next copy to the host, naming op and value") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   const Tensor w = ones({5, 3}, {.device = gpu});
   const Tensor bad = index_tensor({1, 7, 2, 9}, {4}).to(gpu);
   Tensor out = embedding(w, bad);  // no host synchronisation here
@@ -465,7 +465,7 @@ MB_CUDA_TEST_CASE("cuda cat, stack, transpose and contiguous match the CPU") {
 
 MB_CUDA_ONLY_TEST_CASE("cuda rand, randn and dropout draw the CPU's bits") {
   GeneratorStateGuard restore;
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   for (DType dt : kFloatDTypes) {
     for (std::int64_t n : {1, 3, 31, 33, 1000003}) {
       const std::string name = std::string(dtype_name(dt)) + " n=" + std::to_string(n);

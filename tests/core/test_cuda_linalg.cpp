@@ -550,7 +550,7 @@ MB_CUDA_TEST_CASE("cuda gelu_mlp: GELU and its derivative through identity weigh
 MB_CUDA_ONLY_TEST_CASE("cuda gelu_mlp: 16-bit MLPs take cuBLASLt's bias, GELU and DGELU epilogues") {
   // The epilogues are the point of the node: a bf16 MLP's forward and backward must run one of
   // each (a fallback would pass every other test, only slower).
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   using kernels::cuda::LtCall;
   using kernels::cuda::lt_epilogue_calls;
   const std::int64_t bias = lt_epilogue_calls(LtCall::bias), gelu_calls = lt_epilogue_calls(LtCall::gelu),

@@ -492,7 +492,7 @@ MB_CUDA_TEST_CASE("cuda cross_entropy: every row ignored, i32 targets, (N, C, d)
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda cross_entropy: an out-of-range target is reported at the next host copy") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   Tensor logits = zeros({3, 4}).to(gpu);
   Tensor bad = from_vector({0, 7, 1}, {3}, {.dtype = DType::i64}).to(gpu);
   Tensor loss = cross_entropy(logits, bad);  // no error yet: the check does not wait for the GPU

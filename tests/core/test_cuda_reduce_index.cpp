@@ -316,7 +316,7 @@ MB_CUDA_TEST_CASE("cuda index_select along dim 0 with many positions matches the
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda embedding gradients skip out-of-range indices and report the first") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   const std::int64_t n = 600, c = 40, vocab = 50;
   std::vector<double> ids = skewed_tokens(n, 1000);
   std::vector<double> valid_ids, valid_positions;

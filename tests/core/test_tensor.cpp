@@ -823,7 +823,7 @@ TEST_CASE("a CUDA device that does not exist gives a clear error" * doctest::tes
 }
 
 MB_CUDA_ONLY_TEST_CASE("CPU -> cuda -> CPU copies round-trip values, dtypes and layouts") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   GeneratorStateGuard restore;
   manual_seed(77);
   Tensor x = randn({33, 65});

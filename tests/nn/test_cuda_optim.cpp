@@ -374,7 +374,7 @@ MB_CUDA_TEST_CASE("cuda accumulate: vector and strided paths, 16-bit sources, mi
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda accumulate with statistics: the updated values' sum of squares and first non-finite") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   kernels::cuda::set_device(0);
   for (std::int64_t n : {1, 33, 1000003}) {
     for (bool poison : {false, true}) {
@@ -400,7 +400,7 @@ MB_CUDA_ONLY_TEST_CASE("cuda accumulate with statistics: the updated values' sum
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda sum_squares: CPU's value, an inf and a NaN found, the first one named, bitwise repeatable") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   kernels::cuda::set_device(0);
   for (DType dtype : {DType::f32, DType::f16, DType::bf16, DType::f64}) {
     for (std::int64_t n : {1, 31, 33, 1000003}) {
@@ -436,7 +436,7 @@ MB_CUDA_ONLY_TEST_CASE("cuda sum_squares: CPU's value, an inf and a NaN found, t
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda adamw: the fused gated pass equals cpu::adamw over 5 steps, one skipped") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   kernels::cuda::set_device(0);
   for (DType work_dtype : {DType::f16, DType::bf16, DType::f32}) {
     for (std::int64_t offset : {0, 1}) {
@@ -489,7 +489,7 @@ MB_CUDA_ONLY_TEST_CASE("cuda adamw: the fused gated pass equals cpu::adamw over 
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda sgd and scale follow the CPU") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   kernels::cuda::set_device(0);
   const std::int64_t n = 1001;
   manual_seed(51);
@@ -510,7 +510,7 @@ MB_CUDA_ONLY_TEST_CASE("cuda sgd and scale follow the CPU") {
 }
 
 MB_CUDA_ONLY_TEST_CASE("cuda loss-scale update walks with DynamicLossScaler over a scripted overflow pattern") {
-  const Device gpu = test_gpu();
+  const Device gpu = cuda_device(0);
   kernels::cuda::set_device(0);
   const optim::LossScalerConfig config{.init_scale = 16.0, .growth_interval = 3, .hysteresis = 2, .min_loss_scale = 1.0};
   optim::DynamicLossScaler scaler(config);
