@@ -59,8 +59,9 @@ constexpr int kMaxMarkerDepth = 3;  // the manifest, its "files", and each file'
 
 std::string errno_text() { return std::error_code(errno, std::generic_category()).message(); }
 
-/// The step of a folder named checkpoint-<decimal digits>, or nullopt for any other name.
-std::optional<std::int64_t> parse_step(std::string_view name) {
+}  // namespace
+
+std::optional<std::int64_t> checkpoint_step(std::string_view name) {
   if (!name.starts_with(kFolderPrefix)) return std::nullopt;
   const std::string_view digits = name.substr(kFolderPrefix.size());
   if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
@@ -70,6 +71,8 @@ std::optional<std::int64_t> parse_step(std::string_view name) {
   if (ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
   return step;
 }
+
+namespace {
 
 bool is_scratch_name(std::string_view name) {
   return name.starts_with(kScratchPrefix) &&
@@ -233,7 +236,7 @@ std::vector<std::pair<std::int64_t, fs::path>> step_folders(const fs::path& dir)
   fs::directory_iterator it(dir, ec);
   MB_CHECK(!ec, "[checkpoint] {}: cannot list the folder: {}", dir.string(), ec.message());
   for (const auto& entry : it) {
-    const auto step = parse_step(entry.path().filename().string());
+    const auto step = checkpoint_step(entry.path().filename().string());
     std::error_code type_ec;
     if (step && entry.is_directory(type_ec)) out.emplace_back(*step, entry.path());
   }
@@ -405,7 +408,7 @@ CheckpointData load_checkpoint(const std::string& path) {
   CK_CHECK(step.is_number_integer(), path, "the {} marker is damaged: step {}",
            kCheckpointMarkerFile, shown_json(step));
   // A renamed folder (or a flipped digit) would sort and resume under the wrong step.
-  if (const auto named = parse_step(folder.filename().string()))
+  if (const auto named = checkpoint_step(folder.filename().string()))
     CK_CHECK(step.get<std::int64_t>() == *named, path, "the folder is named for step {} but its {} records step {}",
              *named, kCheckpointMarkerFile, shown_json(step));
   const json& files = field("files");

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -48,6 +49,9 @@ CheckpointData load_checkpoint(const std::string& path);
 /// The complete checkpoints under output_dir, oldest step first (folders named checkpoint-<step>
 /// with the marker; temporary and incomplete folders are ignored).
 std::vector<std::string> list_checkpoints(const std::string& output_dir);
+
+/// The step of a folder named checkpoint-<decimal digits>, or nullopt for any other name.
+std::optional<std::int64_t> checkpoint_step(std::string_view name);
 
 /// A checkpoint to resume from, and the newer ones that were refused ("<path>: <reason>").
 struct ResumePoint {

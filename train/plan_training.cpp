@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -39,25 +38,9 @@ std::int64_t resume_window(const TrainingArguments& args) {
     if (all.empty()) return 0;
     path = all.back();
   }
-  const std::string name = std::filesystem::path(path).lexically_normal().filename().string();
-  const std::string prefix = "checkpoint-";
-  if (name.rfind(prefix, 0) != 0) return 0;
-  try {
-    std::size_t used = 0;
-    const std::int64_t step = std::stoll(name.substr(prefix.size()), &used);
-    return used == name.size() - prefix.size() && step > 0 ? step : 0;
-  } catch (const std::exception&) {
-    return 0;
-  }
+  return checkpoint_step(std::filesystem::path(path).lexically_normal().filename().string())
+      .value_or(0);
 }
-
-// The first of a dataset's longest examples, by input elements (a sequence's tokens), and that
-// length: what a plan for variable-length sequences measures its windows with (Note
-// [Token-budget micro-batches] in train/windows.cpp).
-struct LongestExample {
-  std::int64_t index = 0;
-  std::int64_t length = 0;
-};
 
 // Whether train() hands the allocator's cache back after `step` (an evaluation, a checkpoint's
 // save, or either at an epoch's end), so that the next window starts from an empty cache.
@@ -67,7 +50,8 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
          (epoch_end && (args.eval_strategy == "epoch" || args.save_strategy == "epoch"));
 }
 
-// The shapes (rows, padded length) of the micro-batches of a run's first `windows` windows, cut
+// The shapes (rows, padded length) of the micro-batches of a run's windows (the first
+// kWindowsScanned), cut
 // into stretches where train() hands its cache back: each stretch's distinct shapes in the order
 // it first meets them, stretches with the same sequence given once; a resumed run starts a
 // stretch at the window it resumes at. Packed within `token_budget`
@@ -77,12 +61,19 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
 std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
                                                  const TrainingArguments& args,
-                                                 std::int64_t effective, std::int64_t windows,
-                                                 std::int64_t resume_window, std::int64_t micro,
+                                                 std::int64_t effective, std::int64_t micro,
                                                  std::int64_t token_budget) {
   DataLoader loader(data,
                     {.batch_size = effective, .shuffle = true, .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
+  // The run's windows as train() counts them (max_steps, else the epochs'), the first
+  // kWindowsScanned of them.
+  const double epoch_windows = std::ceil(args.num_train_epochs * static_cast<double>(per_epoch));
+  const std::int64_t windows =
+      args.max_steps > 0
+          ? std::min(args.max_steps, kWindowsScanned)
+          : static_cast<std::int64_t>(std::min(epoch_windows, static_cast<double>(kWindowsScanned)));
+  const std::int64_t resumed_at = resume_window(args);
   std::vector<std::vector<PackedShape>> stretches;
   std::set<std::vector<PackedShape>> distinct;
   std::size_t in_all = 0;
@@ -97,7 +88,7 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
     seen.clear();
   };
   for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
-    if (w > 0 && (w == resume_window || hands_back_cache(args, w, per_epoch))) close_stretch();
+    if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretch();
     if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
     const std::vector<std::int64_t> indices = loader.batch_indices(w % per_epoch);
     if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
@@ -162,12 +153,15 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   const bool token_labels = train_set.get(0).label.dim() > 0;
   const std::vector<std::int64_t> lengths =
       token_labels ? sequence_lengths(train_set) : std::vector<std::int64_t>{};
-  LongestExample longest;
   std::map<std::int64_t, std::int64_t> example_of_length;  // the first example of each length
-  for (std::size_t i = 0; i < lengths.size(); ++i) {
-    const auto index = static_cast<std::int64_t>(i);
-    if (lengths[i] > longest.length) longest = {.index = index, .length = lengths[i]};
-    example_of_length.emplace(lengths[i], index);
+  for (std::size_t i = 0; i < lengths.size(); ++i)
+    example_of_length.emplace(lengths[i], static_cast<std::int64_t>(i));
+  // The first of the longest examples, by input elements (a sequence's tokens), and that length:
+  // what a plan for variable-length sequences measures its windows with.
+  std::int64_t longest_length = 0, longest_index = 0;
+  if (!example_of_length.empty()) {
+    longest_length = example_of_length.rbegin()->first;
+    longest_index = example_of_length.rbegin()->second;
   }
   auto batch_of = [&](std::vector<Example> examples) {
     // On a GPU the batch is collated on the host: its one copy to the device is what counts, and
@@ -200,16 +194,9 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   if (example_of_length.size() > 1) {
     // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
     // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
-    const std::int64_t size = train_set.size(), effective = triad.effective;
-    const auto per_epoch = static_cast<double>(size / effective + (size % effective != 0));
-    const double epoch_windows = std::ceil(args.num_train_epochs * per_epoch);  // as train()'s
-    const std::int64_t windows = args.max_steps > 0
-                                     ? std::min(args.max_steps, kWindowsScanned)
-                                     : static_cast<std::int64_t>(std::min(
-                                           epoch_windows, static_cast<double>(kWindowsScanned)));
-    config.packed_shapes = [&, windows](std::int64_t n) {
-      return run_shapes(train_set, lengths, args, triad.effective, windows, resume_window(args), n,
-                        args.pack_by_tokens ? n * longest.length : 0);
+    config.packed_shapes = [&](std::int64_t n) {
+      return run_shapes(train_set, lengths, args, triad.effective, n,
+                        args.pack_by_tokens ? n * longest_length : 0);
     };
     // Rows of the shape's length, each read afresh as the training loop reads them.
     config.sample_packed = [&](PackedShape shape) {
@@ -231,7 +218,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
         std::vector<Example> examples;
         for (std::int64_t i = 0; i < n; ++i) {
           Example e = train_set.get(i % train_set.size());
-          if (token_labels && e.input.numel() < longest.length) e = train_set.get(longest.index);
+          if (token_labels && e.input.numel() < longest_length) e = train_set.get(longest_index);
           examples.push_back(std::move(e));
         }
         return batch_of(std::move(examples));
@@ -251,7 +238,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
                     asked, train_set.size(), e.what()),
         e.requested());
   }
-  p.sequence_length = longest.length;
+  p.sequence_length = longest_length;
   return p;
 }
 

@@ -255,22 +255,13 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
 // back before it takes a block past it. Judging plans by the run's peak instead would shrink the
 // micro-batch until its shapes' cache fits: in the Trainer's token-budget test, 1 row instead of 2,
 // and on the CPU, where the cache is several times the window's, to a fraction.
-const std::vector<std::vector<PackedShape>>& MemoryPlanner::run_shapes(std::int64_t n) {
-  auto it = packed_.find(n);
-  if (it == packed_.end()) {
-    it = packed_.emplace(n, config_.packed_shapes ? config_.packed_shapes(n)
-                                                  : std::vector<std::vector<PackedShape>>{}).first;
-  }
-  return it->second;
-}
-
 MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing) {
   MB_CHECK(n >= 1 && n <= config_.effective_batch,
            "[planner] a micro-batch size must be in [1, {}], got {}", config_.effective_batch, n);
-  const std::vector<std::int64_t> sizes = window_sizes(n);
-  MemoryBreakdown highest = measure({}, sizes, checkpointing);
-  for (const std::vector<PackedShape>& stretch : run_shapes(n)) {
-    const MemoryBreakdown b = measure(stretch, sizes, checkpointing);
+  MemoryBreakdown highest = window(n, checkpointing);
+  if (!config_.packed_shapes) return highest;
+  for (const std::vector<PackedShape>& stretch : config_.packed_shapes(n)) {
+    const MemoryBreakdown b = measure(stretch, window_sizes(n), checkpointing);
     if (b.total() > highest.total()) highest = b;
   }
   return highest;

@@ -149,8 +149,6 @@ class MemoryPlanner {
   /// doubling strides, then bisecting (Note [Searching for the micro-batch]).
   std::int64_t search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
                            bool checkpointing);
-  /// packed_shapes(n), memoized; empty without it.
-  const std::vector<std::vector<PackedShape>>& run_shapes(std::int64_t n);
   /// The peak of micro-batches of these shapes and then of these sizes in sequence, on one model
   /// (memoized).
   MemoryBreakdown measure(const std::vector<PackedShape>& shapes,
@@ -165,7 +163,6 @@ class MemoryPlanner {
   std::int64_t usable_ = 0;
   std::map<std::tuple<std::vector<PackedShape>, std::vector<std::int64_t>, bool>, MemoryBreakdown>
       predictions_;  // (shapes, sizes, ckpt)
-  std::map<std::int64_t, std::vector<std::vector<PackedShape>>> packed_;  // n -> run_shapes(n)
 };
 
 }  // namespace microbatch::train

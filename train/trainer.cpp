@@ -15,7 +15,6 @@
 #include <limits>
 #include <map>
 #include <optional>
-#include <set>
 #include <vector>
 
 #include "optim/boundary_step.h"
