@@ -10,6 +10,28 @@
 
 namespace microbatch::optim {
 
+DeferredBuffers::DeferredBuffers(Device device, const kernels::LossScaleState* state) {
+  stats = zeros({static_cast<std::int64_t>(sizeof(kernels::GradStatsBuffer))},
+                {.dtype = DType::u8, .device = device});
+  if (state == nullptr) return;
+  scale_state =
+      empty({static_cast<std::int64_t>(sizeof *state)}, {.dtype = DType::u8, .device = device});
+  if (device.is_cuda()) {
+    kernels::cuda::memcpy_host_to_device(scale_state.raw_data(), state, sizeof *state,
+                                         device.index);
+  } else if (device.is_cpu()) {
+    std::memcpy(scale_state.raw_data(), state, sizeof *state);
+  }
+  static_assert(offsetof(kernels::LossScaleState, scale) == 0);
+  scale = make_strided(scale_state.storage(), {}, {}, 0, DType::f32);
+}
+
+Tensor DeferredBuffers::seed(const Tensor& loss) const {
+  if (!scale.defined()) return {};
+  const Tensor s = loss.dtype() == DType::f32 ? scale : scale.to(loss.dtype());
+  return s.expand(loss.shape());
+}
+
 BoundaryStep::BoundaryStep(ParamStore& store, Optimizer& optimizer, LRScheduler& scheduler,
                            DynamicLossScaler* scaler, BoundaryStepConfig config)
     : store_(store), optimizer_(optimizer), scheduler_(scheduler), scaler_(scaler), config_(config) {
@@ -21,18 +43,9 @@ BoundaryStep::BoundaryStep(ParamStore& store, Optimizer& optimizer, LRScheduler&
   deferred_ = config.timing == BoundaryTiming::Deferred || (config.timing == BoundaryTiming::Auto && device.is_cuda());
   if (!deferred_) return;
 
-  stats_ = zeros({static_cast<std::int64_t>(sizeof(kernels::GradStatsBuffer))}, {.dtype = DType::u8, .device = device});
-  if (scaler_ != nullptr) {
-    const kernels::LossScaleState state = scaler_->state();
-    scale_state_ = empty({static_cast<std::int64_t>(sizeof state)}, {.dtype = DType::u8, .device = device});
-    if (device.is_cuda()) {
-      kernels::cuda::memcpy_host_to_device(scale_state_.raw_data(), &state, sizeof state, device.index);
-    } else {
-      std::memcpy(scale_state_.raw_data(), &state, sizeof state);
-    }
-    static_assert(offsetof(kernels::LossScaleState, scale) == 0);
-    scale_ = make_strided(scale_state_.storage(), {}, {}, 0, DType::f32);
-  }
+  const kernels::LossScaleState scale =
+      scaler_ != nullptr ? scaler_->state() : kernels::LossScaleState{};
+  buffers_ = DeferredBuffers(device, scaler_ != nullptr ? &scale : nullptr);
   if (device.is_cuda()) {
     record_ = static_cast<Record*>(kernels::cuda::host_alloc_pinned(sizeof(Record), device.index));
     pinned_ = true;
@@ -61,8 +74,7 @@ BoundaryStep::~BoundaryStep() {
 Tensor BoundaryStep::backward_seed(const Tensor& loss) const {
   if (scaler_ == nullptr) return {};
   if (!deferred_) return full(loss.shape(), scaler_->scale(), {.dtype = loss.dtype()});
-  const Tensor seed = loss.dtype() == DType::f32 ? scale_ : scale_.to(loss.dtype());
-  return seed.expand(loss.shape());
+  return buffers_.seed(loss);
 }
 
 std::vector<StepOutcome> BoundaryStep::step(std::int64_t step, Settle when) {
@@ -116,9 +128,11 @@ StepOutcome BoundaryStep::step_now(std::int64_t step) {
 }
 
 void BoundaryStep::queue(std::int64_t step) {
-  const Device device = stats_.device();
-  auto* buffer = static_cast<kernels::GradStatsBuffer*>(stats_.raw_data());
-  auto* scale_state = scale_state_.defined() ? static_cast<kernels::LossScaleState*>(scale_state_.raw_data()) : nullptr;
+  const Device device = buffers_.stats.device();
+  auto* buffer = static_cast<kernels::GradStatsBuffer*>(buffers_.stats.raw_data());
+  auto* scale_state = buffers_.scale_state.defined()
+                          ? static_cast<kernels::LossScaleState*>(buffers_.scale_state.raw_data())
+                          : nullptr;
   pending_ = Pending{.step = step, .lr = optimizer_.lr(), .loss_scale = scaler_ != nullptr ? scaler_->scale() : 1.0};
 
   // 1. The norm and the non-finite flag of the whole arena.

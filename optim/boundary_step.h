@@ -65,6 +65,23 @@ struct StepOutcome {
   std::string floor_error;       // LossScaleFloorError's message: save the last good state and stop
 };
 
+/// The device memory a deferred step holds for its whole life, from its construction: the
+/// statistics buffer, and with a loss scaler the scale's state, whose scale seeds every backward.
+/// On the meta device it allocates the same blocks and copies no values: the planner holds it
+/// there when it predicts for a GPU (Note [What the Trainer holds beside the arenas] in
+/// train/planner.cpp).
+struct DeferredBuffers {
+  Tensor stats;        // (sizeof GradStatsBuffer) u8, zeroed
+  Tensor scale_state;  // (sizeof LossScaleState) u8 holding `scale`'s state; undefined without one
+  Tensor scale;        // () f32 view of scale_state's scale
+  /// scale: the scaler's state to copy to the device, or nullptr without loss scaling.
+  DeferredBuffers(Device device, const kernels::LossScaleState* scale);
+  DeferredBuffers() = default;
+  /// The gradient that seeds a micro-batch's backward: the scale in the loss's shape (a view of
+  /// scale_state for an f32 loss, allocating nothing), or undefined without a scaler.
+  Tensor seed(const Tensor& loss) const;
+};
+
 class BoundaryStep {
  public:
   /// scaler: nullptr without loss scaling. A deferred step copies the scaler's state to the device
@@ -107,9 +124,7 @@ class BoundaryStep {
   DynamicLossScaler* scaler_;
   BoundaryStepConfig config_;
   bool deferred_ = false;
-  Tensor stats_;        // (sizeof GradStatsBuffer) u8 on the store's device; deferred only
-  Tensor scale_state_;  // (sizeof LossScaleState) u8 on the store's device; deferred with a scaler
-  Tensor scale_;        // () f32 view of scale_state_'s scale: the backward seed
+  DeferredBuffers buffers_;  // on the store's device; deferred only
   Record* record_ = nullptr;
   bool pinned_ = false;  // record_ is page-locked (CUDA); else it was made with new
   void* event_ = nullptr;

@@ -10,6 +10,7 @@
 #include "core/allocator.h"
 #include "core/ops/dispatch.h"
 #include "core/rng.h"
+#include "optim/boundary_step.h"
 
 namespace microbatch::train {
 
@@ -32,6 +33,20 @@ namespace microbatch::train {
 // tensors saved for backward, gradients in flight, kernel scratch); workspace is the rest of the
 // reserved peak, the blocks the caching allocator holds beyond live tensors (freed blocks kept for
 // reuse, blocks larger than their request). Workspace is the price of caching, not of the model.
+//
+// Note [What the Trainer holds beside the arenas]: on a GPU the Trainer keeps a few small blocks
+// on the device through every window that no model op makes: the deferred boundary step's buffers
+// (optim::DeferredBuffers: a 33 KB statistics buffer and, with fp16, the loss scale's state, a view
+// of which seeds every backward) and the running loss sums (LossSum in train/trainer.cpp: an f64
+// scalar for the run, one for the window, and after each backward the loss cast to f64 and
+// weighted). They go to the small pool, whose 2 MiB segments the step's own small blocks share, so
+// without them a prediction could fall one segment short of the measured peak: the Fashion-MNIST
+// MLP's at micro-batches of 64 in f32 rises from 4 to 6 MiB with them (`microbatch plan --model mlp
+// --device cuda --per-device-train-batch-size 64 --train-batch-size 256`). measure() allocates the
+// same blocks on meta when it mirrors a GPU, the boundary step's with the same type, and seeds fp16
+// backward with the same view. On the CPU none of them exists: the boundary step runs at once and
+// the loss sums are host doubles. Being held before the step, they count in no breakdown row but
+// workspace (the share of the reserved peak beyond the arenas and the step's live bytes).
 //
 // Note [Outside the allocator]: on a GPU, cuBLAS takes a 32 MiB workspace per device with
 // cudaMalloc, once, on first use (kernels/cuda/runtime.cu), and the CUDA context takes
@@ -296,6 +311,17 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
     b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
     b.gradients = block_bytes(store.grads().nbytes());
     b.optimizer_state = block_bytes(optimizer.state_bytes() / 2) * 2;  // two moment arenas
+    // Note [What the Trainer holds beside the arenas]: held in the state training reaches after
+    // its first window (both sums made).
+    const bool gpu = config_.device.is_cuda();
+    const bool scaled = config_.store.compute_dtype == DType::f16;
+    const kernels::LossScaleState scale_state{};
+    const optim::DeferredBuffers boundary =
+        gpu ? optim::DeferredBuffers(kMeta, scaled ? &scale_state : nullptr)
+            : optim::DeferredBuffers();
+    const Tensor run_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
+    Tensor window_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
+    const double loss_weight = 1.0 / static_cast<double>(shapes.size() + sizes.size());
     reset_peak_memory_stats(kMeta);
     const MemoryStats start = memory_stats(kMeta);
     MB_ASSERT(start.reserved.current - base >= b.weights + b.gradients + b.optimizer_state,
@@ -313,14 +339,20 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
       MB_CHECK(out.loss.defined(), "[planner] the model returned no loss for the sample batch");
       out.logits = Tensor();  // as the Trainer does (Note [Reusing an input's memory])
       // fp16 training seeds backward with the loss scale (optim::BoundaryStep::backward_seed): on
-      // the CPU a tensor of its own, which the caller holds until backward returns; on CUDA a view
-      // of the device's scale, which allocates nothing for an f32 loss (every built-in model's; a
-      // custom model's 16-bit loss would take a converted copy, not counted here). Its value does
-      // not matter here.
+      // the CPU a tensor of its own, which the caller holds until backward returns; on a GPU a
+      // view of the device's scale. Its value does not matter here.
       Tensor seed;
-      if (config_.store.compute_dtype == DType::f16 && !config_.device.is_cuda())
+      if (gpu) {
+        seed = boundary.seed(out.loss);
+      } else if (scaled) {
         seed = full(out.loss.shape(), 1.0, {.dtype = out.loss.dtype(), .device = kMeta});
+      }
       out.loss.backward(seed);
+      if (gpu) {  // LossSum::add: the loss in f64, weighted, added to the window's sum
+        Tensor term = out.loss.detach().to(DType::f64);
+        if (loss_weight != 1.0) term = term * loss_weight;
+        window_loss = window_loss + term;
+      }
     };
     for (const PackedShape& shape : shapes) {  // Note [Mixed lengths]
       const Batch batch = config_.sample_packed(shape);

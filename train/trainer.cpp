@@ -124,7 +124,9 @@ std::optional<double> loss_from_json(const nlohmann::json& v) {
 // A running sum of weighted losses (Note [Training on a device]). On a GPU it is a device scalar:
 // adding launches kernels and never waits, and value() is the one read. On the CPU it is a host
 // double: reading a loss there costs nothing, and the step allocates nothing the planner did not
-// see. Either way the sum is taken in f64, in the same order, so the two agree to the bit.
+// see. The device scalars are mirrored by the planner (Note [What the Trainer holds beside the
+// arenas] in train/planner.cpp). Either way the sum is taken in f64, in the same order, so the two
+// agree to the bit.
 class LossSum {
  public:
   explicit LossSum(Device device, double start = 0.0) : device_(device), host_(start) {}

@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 
+#include "core/ops/dispatch.h"
 #include "kernels/device.h"
 #include "kernels/elementwise.h"
 #include "kernels/loss_scale.h"
@@ -316,6 +317,40 @@ TEST_CASE("deferred boundary step: at the loss-scale floor it reports the error 
   CHECK(bytes_of(later.store->master()) == bytes_of(w0));
   CHECK(later.adamw->step_count() == 0);
   CHECK(later.scheduler->steps() == 0);
+}
+
+TEST_CASE("deferred buffers: the same blocks on meta as on the CPU; an f32 seed is a view") {
+  const kernels::LossScaleState state{.scale = 512.0f};
+  for (const bool scaled : {false, true}) {
+    INFO((scaled ? "with a loss scale" : "without one"));
+    MemoryStats on_device[2];
+    const Device devices[2] = {kCPU, kMeta};
+    for (int i = 0; i < 2; ++i) {
+      MetaBackendGuard mirror(Backend::cpu);
+      empty_cache(devices[i]);
+      reset_peak_memory_stats(devices[i]);
+      const MemoryStats before = memory_stats(devices[i]);
+      const optim::DeferredBuffers buffers(devices[i], scaled ? &state : nullptr);
+      on_device[i] = memory_stats(devices[i]);
+      on_device[i].allocated.current -= before.allocated.current;
+      CHECK(buffers.stats.numel() == static_cast<std::int64_t>(sizeof(kernels::GradStatsBuffer)));
+      CHECK(buffers.scale_state.defined() == scaled);
+      const Tensor loss = scalar_tensor(2.5, {.device = devices[i]});
+      const MemoryStats seeded = memory_stats(devices[i]);
+      const Tensor seed = buffers.seed(loss);
+      CHECK(seed.defined() == scaled);
+      CHECK(memory_stats(devices[i]).allocated.current == seeded.allocated.current);  // a view
+      if (scaled) {
+        CHECK(seed.shape() == loss.shape());
+        CHECK(seed.storage() == buffers.scale_state.storage());
+        if (devices[i].is_cpu()) CHECK(seed.item() == 512.0);
+      }
+    }
+    CHECK(on_device[0].allocated.current == on_device[1].allocated.current);
+    const std::size_t stats_block = (sizeof(kernels::GradStatsBuffer) + 511) / 512 * 512;
+    CHECK(on_device[0].allocated.current ==
+          static_cast<std::int64_t>(stats_block + (scaled ? 512 : 0)));
+  }
 }
 
 // ---- CUDA kernels against the CPU ------------------------------------------------------------------
