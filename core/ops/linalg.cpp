@@ -393,27 +393,42 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
                                    out.unsqueeze(0).kview());
         });
   }
-  // GELU's input and output, dropped inside the backward as soon as it is done with each, as the
-  // composition's nodes would have been released by then (Note [Releasing saved tensors]).
+  // The node keeps what the composition's nodes would (Note [Saving only what a gradient reads]):
+  // GELU's output `h` for w2's gradient; its input `pre` and w2 when anything before the MLP needs
+  // a gradient (GELU's, through w2); x for w1's gradient; w1 for x's. The weights' gradient slots
+  // are reached through their leaves. `pre` and `h` are dropped inside the backward as soon as it
+  // is done with each, as the composition's nodes would have been released by then (Note
+  // [Releasing saved tensors]).
+  const bool rx = x.requires_grad(), rw1 = w1.requires_grad(), rb1 = b1.requires_grad(),
+             rw2 = w2.requires_grad(), rb2 = b2.requires_grad();
+  const bool through_gelu = rx || rw1 || rb1;
   struct Activations {
     Tensor pre, h;
   };
-  auto acts = std::make_shared<Activations>(Activations{pre, h});
+  auto acts = std::make_shared<Activations>(
+      Activations{through_gelu ? pre : Tensor(), rw2 ? h : Tensor()});
   pre = Tensor();
   h = Tensor();
   record("gelu_mlp", {x, w1, b1, w2, b2}, out,
-         [sx = SavedTensor(x, "gelu_mlp"), sw1 = SavedTensor(w1, "gelu_mlp"),
-          sw2 = SavedTensor(w2, "gelu_mlp"), acts, x_shape = x.shape(), m, k, hidden, n,
-          ld_hidden, dt, b1l = grad_leaf(b1), b2l = grad_leaf(b2), rx = x.requires_grad(),
-          rw1 = w1.requires_grad(), rb1 = b1.requires_grad(), rw2 = w2.requires_grad(),
-          rb2 = b2.requires_grad()](const Tensor& g) {
+         [sx = rw1 ? SavedTensor(x, "gelu_mlp") : SavedTensor(),
+          sw1 = rx ? SavedTensor(w1, "gelu_mlp") : SavedTensor(),
+          sw2 = through_gelu ? SavedTensor(w2, "gelu_mlp") : SavedTensor(), acts,
+          x_shape = x.shape(), m, k, hidden, n, ld_hidden, dt, w1l = grad_leaf(w1),
+          w2l = grad_leaf(w2), b1l = grad_leaf(b1), b2l = grad_leaf(b2), rx, rw1, rb1, rw2, rb2,
+          through_gelu](const Tensor& g) {
            Tensor g2 = g.reshape({m, n});
            if (g2.dtype() != dt) g2 = g2.to(dt);
-           Tensor w1v = sw1.get(), w2v = sw2.get();
+           // A backward that failed part-way (out of memory, say) may have dropped what it was
+           // done with, and cannot run again.
+           MB_CHECK((!rw2 || acts->h.defined()) && (!through_gelu || acts->pre.defined()),
+                    "[backward] gelu_mlp's backward failed part-way after releasing GELU's "
+                    "activations; it cannot run again");
            // The second linear's parameters, then GELU's input's gradient through w2.
            const bool keep = retaining_graph();
-           auto [dw2, db2] = linear_param_grads(g2, acts->h, w2v, b2l, rw2, rb2);
+           auto [dw2, db2] = linear_param_grads(g2, acts->h, w2l, b2l, rw2, rb2);
            if (!keep) acts->h = Tensor();
+           if (!through_gelu) return std::vector<Tensor>{Tensor(), Tensor(), Tensor(), dw2, db2};
+           Tensor w2v = sw2.get();
            Tensor dpre =
                empty_rows(m, hidden, ld_hidden, {.dtype = g2.dtype(), .device = g2.device()});
            {
@@ -431,11 +446,10 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            }
            if (!keep) acts->pre = Tensor();
            // The first linear's.
-           Tensor x2 = (rw1 ? sx.get() : Tensor());
-           auto [dw1, db1] =
-               linear_param_grads(dpre, rw1 ? x2.reshape({m, k}) : Tensor(), w1v, b1l, rw1, rb1);
+           auto [dw1, db1] = linear_param_grads(dpre, rw1 ? sx.get().reshape({m, k}) : Tensor(),
+                                                w1l, b1l, rw1, rb1);
            Tensor dx;
-           if (rx) dx = matmul(dpre, w1v).reshape(x_shape);
+           if (rx) dx = matmul(dpre, sw1.get()).reshape(x_shape);
            return std::vector<Tensor>{dx, dw1, db1, dw2, db2};
          });
   return out.reshape(out_shape);

@@ -315,6 +315,47 @@ TEST_CASE("meta mirroring CUDA: gelu_mlp is one node that makes no GELU-gradient
   CHECK(peak(Backend::cpu, true) == peak(Backend::cpu, false));
 }
 
+TEST_CASE("meta mirroring CUDA: gelu_mlp keeps what the composition keeps, whatever needs grad") {
+  // Note [Saving only what a gradient reads]: with frozen weights, or an input that is data, the
+  // fused node holds after its forward exactly the bytes the composition's nodes hold, and its
+  // backward gives a gradient to exactly the inputs that need one.
+  const std::int64_t m = 256, k = 64, hidden = 256, n = 64;
+  struct Needs {
+    bool x, w1, b1, w2, b2;
+    const char* name;
+  };
+  for (const Needs& r : {Needs{true, true, true, true, true, "everything"},
+                         Needs{true, false, false, false, false, "x alone (frozen weights)"},
+                         Needs{false, true, true, true, true, "the weights (x is data)"},
+                         Needs{false, false, false, true, true, "the second layer alone"},
+                         Needs{false, true, true, false, false, "the first layer alone"},
+                         Needs{true, false, false, true, false, "x and w2"}}) {
+    INFO("needing a gradient: " << std::string(r.name));
+    auto held = [&](bool fused) {
+      MetaBackendGuard mirror(Backend::cuda);
+      const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
+      Tensor x = empty({m, k}, o).requires_grad_(r.x);
+      Tensor w1 = empty({hidden, k}, o).requires_grad_(r.w1);
+      Tensor b1 = empty({hidden}, o).requires_grad_(r.b1);
+      Tensor w2 = empty({n, hidden}, o).requires_grad_(r.w2);
+      Tensor b2 = empty({n}, o).requires_grad_(r.b2);
+      const std::int64_t start = memory_stats(kMeta).allocated.current;
+      Tensor y = fused ? gelu_mlp(x, w1, b1, w2, b2)
+                       : linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
+      const std::int64_t kept = memory_stats(kMeta).allocated.current - start;
+      sum(y).backward();
+      for (const Tensor* t : {&x, &w1, &b1, &w2, &b2}) {
+        CHECK(t->grad().defined() == t->requires_grad());
+        if (t->requires_grad()) CHECK(t->grad().shape() == t->shape());
+      }
+      return kept;
+    };
+    const std::int64_t fused = held(true), composed = held(false);
+    INFO("held after the forward: fused " << fused << ", composed " << composed);
+    CHECK(fused == composed);
+  }
+}
+
 TEST_CASE("meta mirroring CUDA: a bias with a gradient buffer takes its sums without a temporary") {
   // Note [Bias gradients in place]: with the input and the weight needing no gradient, linear's
   // backward allocates the column sums' f64 partials and nothing else where the bias has a
@@ -505,6 +546,21 @@ MB_CUDA_TEST_CASE("cuda gelu_mlp matches the CPU's composition: values and gradi
       check_cuda_parity(label("gelu_mlp hidden " + std::to_string(c.hidden), dt), f,
                         {leaf(c.x, dt, 1), leaf({c.hidden, k}, dt, 2), leaf({c.hidden}, dt, 3),
                          leaf({c.n, c.hidden}, dt, 4), leaf({c.n}, dt, 5)},
+                        parity_tolerance(dt));
+    }
+    // Frozen weights and data inputs: the node keeps and computes only what the gradients
+    // needed read (Note [Saving only what a gradient reads]).
+    const std::vector<std::pair<const char*, std::vector<bool>>> needs = {
+        {"x alone", {true, false, false, false, false}},
+        {"the weights", {false, true, true, true, true}},
+        {"the second layer alone", {false, false, false, true, true}},
+        {"the first layer alone", {false, true, true, false, false}}};
+    for (const auto& [name, need] : needs) {
+      std::vector<Tensor> in = {leaf({6, 48}, dt, 1), leaf({100, 48}, dt, 2), leaf({100}, dt, 3),
+                                leaf({33, 100}, dt, 4), leaf({33}, dt, 5)};
+      for (std::size_t i = 0; i < in.size(); ++i)
+        if (!need[i]) in[i] = in[i].detach();
+      check_cuda_parity(label(std::string("gelu_mlp, a gradient for ") + name, dt), f, in,
                         parity_tolerance(dt));
     }
   }
