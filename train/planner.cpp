@@ -45,8 +45,9 @@ namespace microbatch::train {
 // --device cuda --per-device-train-batch-size 64 --train-batch-size 256`). measure() allocates the
 // same blocks on meta when it mirrors a GPU, the boundary step's with the same type, and seeds fp16
 // backward with the same view. On the CPU none of them exists: the boundary step runs at once and
-// the loss sums are host doubles. Being held before the step, they count in no breakdown row but
-// workspace (the share of the reserved peak beyond the arenas and the step's live bytes).
+// the loss sums are host doubles. The blocks held before the step count in no breakdown row but
+// workspace (the share of the reserved peak beyond the arenas and the step's live bytes); the
+// window's sum and the loss's f64 copies, made in it, count as activations.
 //
 // Note [Outside the allocator]: on a GPU, cuBLAS takes a 32 MiB workspace per device with
 // cudaMalloc, once, on first use (kernels/cuda/runtime.cu), and the CUDA context takes
@@ -311,8 +312,8 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
     b.weights = block_bytes(store.weights().nbytes()) + (store.has_master() ? block_bytes(store.master().nbytes()) : 0);
     b.gradients = block_bytes(store.grads().nbytes());
     b.optimizer_state = block_bytes(optimizer.state_bytes() / 2) * 2;  // two moment arenas
-    // Note [What the Trainer holds beside the arenas]: held in the state training reaches after
-    // its first window (both sums made).
+    // Note [What the Trainer holds beside the arenas]: held as training holds them after its first
+    // window: the run's sum made, the window's made by its first micro-batch.
     const bool gpu = config_.device.is_cuda();
     const bool scaled = config_.store.compute_dtype == DType::f16;
     const kernels::LossScaleState scale_state{};
@@ -320,8 +321,11 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
         gpu ? optim::DeferredBuffers(kMeta, scaled ? &scale_state : nullptr)
             : optim::DeferredBuffers();
     const Tensor run_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
-    Tensor window_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
-    const double loss_weight = 1.0 / static_cast<double>(shapes.size() + sizes.size());
+    // The window's sum: from its first micro-batch to its end, found by counting rows (where a
+    // window has more than two micro-batches, the sequence below skips its middle ones, and the
+    // next window's first then runs beside a sum it does not have: 512 bytes over).
+    Tensor window_loss;
+    std::int64_t window_rows = 0;
     reset_peak_memory_stats(kMeta);
     const MemoryStats start = memory_stats(kMeta);
     MB_ASSERT(start.reserved.current - base >= b.weights + b.gradients + b.optimizer_state,
@@ -348,10 +352,16 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
         seed = full(out.loss.shape(), 1.0, {.dtype = out.loss.dtype(), .device = kMeta});
       }
       out.loss.backward(seed);
-      if (gpu) {  // LossSum::add: the loss in f64, weighted, added to the window's sum
+      if (gpu) {  // LossSum::add: the loss in f64, weighted unless it is the window's only one
+        const std::int64_t rows = batch.size();
         Tensor term = out.loss.detach().to(DType::f64);
-        if (loss_weight != 1.0) term = term * loss_weight;
-        window_loss = window_loss + term;
+        if (rows < config_.effective_batch) term = term * 0.5;
+        window_loss = window_loss.defined() ? window_loss + term : term;
+        window_rows += rows;
+        if (window_rows >= config_.effective_batch) {  // the window ends: the next starts a sum
+          window_loss = Tensor();
+          window_rows = 0;
+        }
       }
     };
     for (const PackedShape& shape : shapes) {  // Note [Mixed lengths]

@@ -423,12 +423,13 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            MB_CHECK((!rw2 || acts->h.defined()) && (!through_gelu || acts->pre.defined()),
                     "[backward] gelu_mlp's backward failed part-way after releasing GELU's "
                     "activations; it cannot run again");
+           // The saved tensors' version checks, before any gradient is written.
+           const Tensor xv = sx.get(), w1v = sw1.get(), w2v = sw2.get();
            // The second linear's parameters, then GELU's input's gradient through w2.
            const bool keep = retaining_graph();
            auto [dw2, db2] = linear_param_grads(g2, acts->h, w2l, b2l, rw2, rb2);
            if (!keep) acts->h = Tensor();
            if (!through_gelu) return std::vector<Tensor>{Tensor(), Tensor(), Tensor(), dw2, db2};
-           Tensor w2v = sw2.get();
            Tensor dpre =
                empty_rows(m, hidden, ld_hidden, {.dtype = g2.dtype(), .device = g2.device()});
            {
@@ -446,10 +447,10 @@ Tensor gelu_mlp(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
            }
            if (!keep) acts->pre = Tensor();
            // The first linear's.
-           auto [dw1, db1] = linear_param_grads(dpre, rw1 ? sx.get().reshape({m, k}) : Tensor(),
-                                                w1l, b1l, rw1, rb1);
+           auto [dw1, db1] =
+               linear_param_grads(dpre, rw1 ? xv.reshape({m, k}) : Tensor(), w1l, b1l, rw1, rb1);
            Tensor dx;
-           if (rx) dx = matmul(dpre, sw1.get()).reshape(x_shape);
+           if (rx) dx = matmul(dpre, w1v).reshape(x_shape);
            return std::vector<Tensor>{dx, dw1, db1, dw2, db2};
          });
   return out.reshape(out_shape);

@@ -318,7 +318,8 @@ TEST_CASE("meta mirroring CUDA: gelu_mlp is one node that makes no GELU-gradient
 TEST_CASE("meta mirroring CUDA: gelu_mlp keeps what the composition keeps, whatever needs grad") {
   // Note [Saving only what a gradient reads]: with frozen weights, or an input that is data, the
   // fused node holds after its forward exactly the bytes the composition's nodes hold, and its
-  // backward gives a gradient to exactly the inputs that need one.
+  // backward gives a gradient to exactly the inputs that need one. The input is an activation
+  // (made by an op, no other handle on it), so that keeping it costs bytes too.
   const std::int64_t m = 256, k = 64, hidden = 256, n = 64;
   struct Needs {
     bool x, w1, b1, w2, b2;
@@ -329,22 +330,28 @@ TEST_CASE("meta mirroring CUDA: gelu_mlp keeps what the composition keeps, whate
                          Needs{false, true, true, true, true, "the weights (x is data)"},
                          Needs{false, false, false, true, true, "the second layer alone"},
                          Needs{false, true, true, false, false, "the first layer alone"},
-                         Needs{true, false, false, true, false, "x and w2"}}) {
+                         Needs{true, false, false, true, false, "x and w2"},
+                         Needs{false, false, true, false, false, "b1 alone"},
+                         Needs{false, false, false, false, true, "b2 alone"}}) {
     INFO("needing a gradient: " << std::string(r.name));
     auto held = [&](bool fused) {
       MetaBackendGuard mirror(Backend::cuda);
       const TensorOptions o{.dtype = DType::bf16, .device = kMeta};
-      Tensor x = empty({m, k}, o).requires_grad_(r.x);
+      Tensor x0 = empty({m, k}, o).requires_grad_(r.x);
       Tensor w1 = empty({hidden, k}, o).requires_grad_(r.w1);
       Tensor b1 = empty({hidden}, o).requires_grad_(r.b1);
       Tensor w2 = empty({n, hidden}, o).requires_grad_(r.w2);
       Tensor b2 = empty({n}, o).requires_grad_(r.b2);
       const std::int64_t start = memory_stats(kMeta).allocated.current;
-      Tensor y = fused ? gelu_mlp(x, w1, b1, w2, b2)
-                       : linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
+      Tensor y;
+      {
+        Tensor x = x0 * 2.0;
+        y = fused ? gelu_mlp(x, w1, b1, w2, b2)
+                  : linear(gelu(linear(x, w1, b1), GeluApproximate::Tanh), w2, b2);
+      }
       const std::int64_t kept = memory_stats(kMeta).allocated.current - start;
       sum(y).backward();
-      for (const Tensor* t : {&x, &w1, &b1, &w2, &b2}) {
+      for (const Tensor* t : {&x0, &w1, &b1, &w2, &b2}) {
         CHECK(t->grad().defined() == t->requires_grad());
         if (t->requires_grad()) CHECK(t->grad().shape() == t->shape());
       }
