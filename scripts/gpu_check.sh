@@ -7,6 +7,9 @@
 #
 # Stages, in order (each one time-boxed with `timeout`); the figures that matter most come first,
 # so that a stage that hangs costs the less important ones:
+#   prebuilt       with MB_GPU_CHECK_PREBUILT, the programs scripts/gpu_prebuild.sh built elsewhere,
+#                  in place of configure and build when they fit this checkout and machine (else it
+#                  is recorded as skipped, saying why, and the two stages run)
 #   configure      a build folder with -DMB_DEPS_DIR=deps -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON
 #                  -DMB_NATIVE=OFF (Ninja when it is installed); cuDNN from the CUDA folder, else
 #                  from the pip package next to PyTorch (CUDNN_ROOT), else none (the im2col
@@ -50,6 +53,9 @@
 #   BUILD_DIR             the build folder (default build-gpu). It is kept, so a second run only
 #                         rebuilds what changed: when the first run's build took most of the time,
 #                         run the check again. MB_GPU_CHECK_FRESH=1 deletes it first.
+#   MB_GPU_CHECK_PREBUILT an archive from scripts/gpu_prebuild.sh (built where the Debian packages
+#                         are, from the same sources): its programs serve if they fit, and the
+#                         GPU's minutes go to the benchmarks and tests instead of the compiler
 #   MB_DEPS_DIR           the dependency bundle (default deps)
 #   MB_CUDA               ON (default); OFF builds without the CUDA backend (to try this script on
 #                         a machine without nvcc: the GPU stages are then skipped)
@@ -353,8 +359,114 @@ if [[ "$CUDA" == ON ]]; then
   fi
   say "cuDNN: $CUDNN_NOTE"
 fi
+# ---- prebuilt programs --------------------------------------------------------------------------
+# With MB_GPU_CHECK_PREBUILT=ARCHIVE (scripts/gpu_prebuild.sh), the programs built elsewhere replace
+# the configure and build stages when they fit this checkout and this machine: every source file
+# their manifest lists is unchanged here, nvcc and cuDNN here are no older than the ones they were
+# built with, every program finds its libraries and starts, and, with a GPU, a cuBLAS case and a
+# cuDNN case pass. They go to the folder they were built in (the manifest's root: build/, with
+# src/ a link to this checkout, whose paths the programs hold). Otherwise the stage "prebuilt" says
+# why, as skipped, and the check builds as before.
+version_ge() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" == "$2" ]]; }  # A >= B
+prebuilt_seconds() { awk -v a="$PREBUILT_T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+prebuilt_refused() {  # why
+  say "prebuilt: not used: $1"
+  record prebuilt skip "$(prebuilt_seconds)" "not used: $1"
+  rm -rf "$PREBUILT_TMP"
+  return 1
+}
+cudnn_version() {  # cudnn_version.h: its MAJOR.MINOR.PATCHLEVEL
+  awk '/#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) / { v[$2] = $3 }
+       END { print v["CUDNN_MAJOR"] "." v["CUDNN_MINOR"] "." v["CUDNN_PATCHLEVEL"] }' "$1"
+}
+use_prebuilt() {  # archive: true when its programs are in use, in BUILD_DIR
+  local archive="$1" tmp manifest root built_nvcc built_cudnn here_cudnn="" bad p line
+  PREBUILT_T0=$(date +%s.%N)
+  PREBUILT_TMP="$(mktemp -d)"
+  tmp="$PREBUILT_TMP"
+  manifest="$tmp/build/prebuilt.manifest"
+  say "---- prebuilt: $archive"
+  [[ -f "$archive" ]] || { prebuilt_refused "$archive is not a file"; return 1; }
+  tar -xJf "$archive" -C "$tmp" build/prebuilt.manifest 2>"$tmp/err" ||
+    { prebuilt_refused "cannot read its manifest: $(head -n 1 "$tmp/err")"; return 1; }
+  root="$(sed -n 's/^root //p' "$manifest")"
+  built_nvcc="$(sed -n 's/^nvcc //p' "$manifest")"
+  built_cudnn="$(sed -n 's/^cudnn //p' "$manifest")"
+  [[ "$root" == /* ]] || { prebuilt_refused "its manifest names no root folder"; return 1; }
+  sed -n 's/^source //p' "$manifest" >"$tmp/sources.sha256"
+  [[ -s "$tmp/sources.sha256" ]] || { prebuilt_refused "its manifest lists no source files"; return 1; }
+  # The first three files that differ (or are missing) here.
+  bad="$(cd "$ROOT" && sha256sum --quiet -c "$tmp/sources.sha256" 2>/dev/null | sed 's/: .*//' |
+           head -n 3 | paste -sd ' ' -)"
+  [[ -z "$bad" ]] || { prebuilt_refused "built from other sources (changed here: $bad)"; return 1; }
+  [[ -n "$NVCC_VERSION" ]] && version_ge "$NVCC_VERSION" "$built_nvcc" ||
+    { prebuilt_refused "built with nvcc $built_nvcc, this machine has ${NVCC_VERSION:-none}"; return 1; }
+  if [[ "$built_cudnn" != none ]]; then
+    local h cuda_include
+    cuda_include="$(dirname "$(dirname "$(realpath "${NVCC:-/usr/local/cuda/bin/nvcc}")")")/include"
+    for h in "$cuda_include" /usr/include "${pip_cudnn:-/nonexistent}/include"; do
+      [[ -f "$h/cudnn_version.h" ]] && here_cudnn="$(cudnn_version "$h/cudnn_version.h")" && break
+    done
+    [[ -n "$here_cudnn" ]] && version_ge "$here_cudnn" "$built_cudnn" || {
+      prebuilt_refused "built with cuDNN $built_cudnn, this machine has ${here_cudnn:-none found}"
+      return 1
+    }
+  fi
+  mkdir -p "$root" 2>/dev/null || { prebuilt_refused "cannot make $root"; return 1; }
+  [[ ! -e "$root/src" || -L "$root/src" ]] || { prebuilt_refused "$root/src is there, no link"; return 1; }
+  ln -sfn "$ROOT" "$root/src"
+  rm -f "$root/shared"
+  [[ -d "$ROOT/../shared" ]] && ln -sfn "$(cd "$ROOT/.." && pwd)/shared" "$root/shared"
+  rm -rf "$root/build"
+  tar -xJf "$archive" -C "$root" 2>"$tmp/err" ||
+    { prebuilt_refused "cannot unpack it: $(head -n 1 "$tmp/err")"; return 1; }
+  # The CUDA libraries where the toolkit keeps them (the programs were linked elsewhere).
+  if [[ -n "$NVCC" ]]; then
+    local cuda_root
+    cuda_root="$(dirname "$(dirname "$(realpath "$NVCC")")")"
+    LD_LIBRARY_PATH="$cuda_root/lib64:$cuda_root/lib:$cuda_root/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_LIBRARY_PATH
+  fi
+  for p in "${PROGRAMS[@]}"; do
+    line="$(LD_TRACE_LOADED_OBJECTS=1 "$root/build/$p" 2>&1 | grep -m 1 'not found')"
+    [[ -z "$line" ]] || { prebuilt_refused "$p: $line"; return 1; }
+  done
+  local run
+  for line in "microbatch --help" "tests_core --count"; do
+    read -ra run <<<"$line"
+    "$root/build/${run[0]}" "${run[@]:1}" >/dev/null 2>"$tmp/err" ||
+      { prebuilt_refused "$line: $(head -n 1 "$tmp/err")"; return 1; }
+  done
+  if [[ -n "$GPU" ]]; then
+    timeout 120 "$root/build/tests_core" --test-suite=cuda \
+      -tc='cuda linear: with and without bias*,cuda conv2d: strides*' >"$tmp/smoke" 2>&1 ||
+      { prebuilt_refused "its CUDA cases fail here: $(grep -m 1 -E 'ERROR|error' "$tmp/smoke" ||
+                                                       tail -n 1 "$tmp/smoke")"; return 1; }
+    grep -qE 'test cases: *2 \| *2 passed' "$tmp/smoke" || {
+      prebuilt_refused "its two CUDA cases did not both run: $(grep -m 1 'test cases' "$tmp/smoke")"
+      return 1
+    }
+  fi
+  BUILD_DIR="$root/build"
+  local when
+  when="$(sed -n 's/^built //p' "$manifest")"
+  say "prebuilt: using the programs in $BUILD_DIR (built $when with nvcc $built_nvcc, cuDNN $built_cudnn)"
+  record prebuilt pass "$(prebuilt_seconds)" "programs built $when, in $BUILD_DIR"
+  rm -rf "$tmp"
+}
+PROGRAMS=(microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
+PREBUILT_USED=0
+if [[ -n "${MB_GPU_CHECK_PREBUILT:-}" && "$CUDA" == ON ]] && wanted build; then
+  use_prebuilt "$(realpath -m "$MB_GPU_CHECK_PREBUILT")" && PREBUILT_USED=1
+fi
+
 BUILD_OK=0
-if wanted configure; then
+if ((PREBUILT_USED)); then
+  BUILD_OK=1
+  for stage in configure build; do
+    wanted "$stage" && record "$stage" skip 0 "the prebuilt programs serve"
+  done
+elif wanted configure; then
   if [[ ! -f "$DEPS/include/fmt/format.h" ]]; then
     say "configure: no dependency bundle at $DEPS (make it with scripts/bundle_deps.sh deps where the Debian packages are)"
     record configure fail 0 "no dependency bundle at $DEPS"
@@ -375,9 +487,10 @@ fi
 TARGETS=(microbatch_cli)
 [[ "$CUDA" == ON ]] && TARGETS+=(bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda)
 TARGETS+=(tests_core tests_train)
-PROGRAMS=(microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
 built() { [[ -x "$BUILD_DIR/$1" ]]; }
-if ((BUILD_OK)) && wanted build; then
+if ((PREBUILT_USED)); then
+  :
+elif ((BUILD_OK)) && wanted build; then
   for p in "${PROGRAMS[@]}"; do rm -f "$BUILD_DIR/$p"; done
   keep_going=(-k)
   grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja' "$BUILD_DIR/CMakeCache.txt" 2>/dev/null && keep_going=(-k 0)

@@ -354,6 +354,66 @@ stub_check inside MB_GPU_CHECK_STAGES=compare MB_GPU_CHECK_BUNDLE="$WORK/inside/
 check "a bundle inside OUTDIR holds the results" bash -c "tar tzf '$WORK/inside/gpu.tar.gz' | grep -qx './results.json'"
 check "and not itself" bash -c "! tar tzf '$WORK/inside/gpu.tar.gz' | grep -q 'gpu.tar.gz'"
 
+# ---- prebuilt programs, on stand-ins ---------------------------------------------------------------
+# Archives as scripts/gpu_prebuild.sh packs them (build/prebuilt.manifest and the six programs, here
+# stand-ins), each with a root folder of its own; nvcc 13.0 and cuDNN 9.19.0 are stand-ins too. Only
+# the build stage is asked for, so an archive that does not fit leaves nothing to build with.
+PRE="$WORK/pre"
+mkdir -p "$PRE/pack/build" "$PRE/cuda/bin" "$PRE/cuda/include"
+printf '#!/bin/sh\necho "Cuda compilation tools, release 13.0, V13.0.48"\n' >"$PRE/cuda/bin/nvcc"
+printf '#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 19\n#define CUDNN_PATCHLEVEL 0\n' \
+  >"$PRE/cuda/include/cudnn_version.h"
+for p in microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_train; do
+  printf '#!/bin/sh\necho "prebuilt %s"\n' "$p" >"$PRE/pack/build/$p"
+done
+cat >"$PRE/pack/build/tests_core" <<'EOF'
+#!/bin/sh
+[ "$1" = --count ] && exit 0
+if [ -n "${PRE_SMOKE_FAILS:-}" ]; then echo "ERROR: CHECK( close(y, ref) ) is NOT correct!"; exit 1; fi
+echo "[doctest] test cases:   2 |   2 passed | 0 failed | 329 skipped"
+EOF
+chmod +x "$PRE/cuda/bin/nvcc" "$PRE/pack/build"/*
+pack() {  # NAME NVCC CUDNN [SED]: $PRE/NAME.tar.xz, the manifest's source lines edited by SED
+  {
+    printf 'root %s\nnvcc %s\ncudnn %s\nbuilt 2026-01-01T00:00:00Z on packer\n' "$PRE/root-$1" "$2" "$3"
+    (cd "$ROOT" && sha256sum CMakeLists.txt core/tensor.h kernels/cuda/gemm.cu) | sed "s/^/source /; ${4:-}"
+  } >"$PRE/pack/build/prebuilt.manifest"
+  tar -C "$PRE/pack" -cJf "$PRE/$1.tar.xz" build
+}
+pre_check() {  # NAME, then VAR=value...: the check asked for its build stage, with NAME's archive
+  stub_check "$1" PATH="$PRE/cuda/bin:$WORK/bin:$PATH" BUILD_DIR="$WORK/$1-build" \
+    MB_GPU_CHECK_STAGES=build MB_GPU_CHECK_PREBUILT="$PRE/$1.tar.xz" "${@:2}"
+}
+stage_message() {  # NAME STAGE TEXT: the stage's message in $WORK/NAME/results.json holds TEXT
+  json "$WORK/$1/results.json" "'$3' in j['stages'].get('$2', {}).get('message', '')"
+}
+pack fits 13.0 9.19.0
+pre_check fits MB_GPU_CHECK_STAGES="build bench_attention"
+check "an archive that fits is used" stage_status fits prebuilt pass
+check "and the build is skipped for it" stage_message fits build "the prebuilt programs serve"
+check "the stages after it run its programs" grep -q "prebuilt bench_attention_cuda" \
+  "$WORK/fits/stages/bench_attention.log"
+check "its programs lie in its root" test -x "$PRE/root-fits/build/tests_core"
+check "beside a link to this checkout" test "$(readlink "$PRE/root-fits/src")" = "$ROOT"
+check "the check passes (got $(cat "$WORK/fits.rc"))" test "$(cat "$WORK/fits.rc")" -eq 0
+pack changed 13.0 9.19.0 "/core\/tensor.h\$/s/source [0-9a-f]*/source $(printf '0%.0s' {1..64})/"
+pre_check changed
+check "an archive from other sources is not used" stage_status changed prebuilt skip
+check "and the file that changed is named" stage_message changed prebuilt "changed here: core/tensor.h"
+check "so the build runs as before (here: not configured)" stage_message changed build "not configured"
+pack newer_nvcc 13.1 9.19.0
+pre_check newer_nvcc
+check "an archive built with a newer nvcc is not used" stage_message newer_nvcc prebuilt \
+  "built with nvcc 13.1, this machine has 13.0"
+pack newer_cudnn 13.0 9.20.1
+pre_check newer_cudnn
+check "an archive built with a newer cuDNN is not used" stage_message newer_cudnn prebuilt \
+  "built with cuDNN 9.20.1, this machine has 9.19.0"
+pack smoke 13.0 9.19.0
+pre_check smoke PRE_SMOKE_FAILS=1
+check "an archive whose CUDA cases fail here is not used" stage_message smoke prebuilt \
+  "its CUDA cases fail here: ERROR: CHECK"
+
 # cpu_vs_torch.sh takes its folders relative to where it is started (it stops at the torch check).
 mkdir -p "$WORK/cwd/b"
 cp "$STUB/bench_gpt2_cuda" "$WORK/cwd/b/"
