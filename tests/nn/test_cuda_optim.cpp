@@ -320,36 +320,43 @@ TEST_CASE("deferred boundary step: at the loss-scale floor it reports the error 
 }
 
 TEST_CASE("deferred buffers: the same blocks on meta as on the CPU; an f32 seed is a view") {
+  // The planner holds them on meta mirroring a GPU (Note [What the Trainer holds beside the arenas]
+  // in train/planner.cpp); meta mirroring the CPU and the CPU itself allocate the same requests.
   const kernels::LossScaleState state{.scale = 512.0f};
+  struct Place {
+    Device device;
+    Backend mirror;
+    const char* name;
+  };
+  const std::size_t stats_block = (sizeof(kernels::GradStatsBuffer) + 511) / 512 * 512;
   for (const bool scaled : {false, true}) {
-    INFO((scaled ? "with a loss scale" : "without one"));
-    MemoryStats on_device[2];
-    const Device devices[2] = {kCPU, kMeta};
-    for (int i = 0; i < 2; ++i) {
-      MetaBackendGuard mirror(Backend::cpu);
-      empty_cache(devices[i]);
-      reset_peak_memory_stats(devices[i]);
-      const MemoryStats before = memory_stats(devices[i]);
-      const optim::DeferredBuffers buffers(devices[i], scaled ? &state : nullptr);
-      on_device[i] = memory_stats(devices[i]);
-      on_device[i].allocated.current -= before.allocated.current;
+    for (const Place& at : {Place{kCPU, Backend::cpu, "cpu"},
+                            Place{kMeta, Backend::cpu, "meta as the CPU"},
+                            Place{kMeta, Backend::cuda, "meta as a GPU"}}) {
+      INFO((scaled ? "with a loss scale, " : "without one, ") << std::string(at.name));
+      MetaBackendGuard mirror(at.mirror);
+      empty_cache(at.device);
+      const std::int64_t before = memory_stats(at.device).allocated.current;
+      const optim::DeferredBuffers buffers(at.device, scaled ? &state : nullptr);
+      CHECK(memory_stats(at.device).allocated.current - before ==
+            static_cast<std::int64_t>(stats_block + (scaled ? 512 : 0)));
       CHECK(buffers.stats.numel() == static_cast<std::int64_t>(sizeof(kernels::GradStatsBuffer)));
       CHECK(buffers.scale_state.defined() == scaled);
-      const Tensor loss = scalar_tensor(2.5, {.device = devices[i]});
-      const MemoryStats seeded = memory_stats(devices[i]);
+      const Tensor loss = scalar_tensor(2.5, {.device = at.device});
+      const std::int64_t seeded = memory_stats(at.device).allocated.current;
       const Tensor seed = buffers.seed(loss);
       CHECK(seed.defined() == scaled);
-      CHECK(memory_stats(devices[i]).allocated.current == seeded.allocated.current);  // a view
-      if (scaled) {
-        CHECK(seed.shape() == loss.shape());
-        CHECK(seed.storage() == buffers.scale_state.storage());
-        if (devices[i].is_cpu()) CHECK(seed.item() == 512.0);
-      }
+      CHECK(memory_stats(at.device).allocated.current == seeded);  // a view
+      if (!scaled) continue;
+      CHECK(seed.shape() == loss.shape());
+      CHECK(seed.storage() == buffers.scale_state.storage());
+      if (at.device.is_cpu()) CHECK(seed.item() == 512.0);
+      // A 16-bit loss gets the scale converted to its dtype (a tensor of its own).
+      const Tensor half_seed = buffers.seed(loss.to(DType::bf16));
+      CHECK(half_seed.dtype() == DType::bf16);
+      CHECK(half_seed.storage() != buffers.scale_state.storage());
+      if (at.device.is_cpu()) CHECK(half_seed.item() == 512.0);
     }
-    CHECK(on_device[0].allocated.current == on_device[1].allocated.current);
-    const std::size_t stats_block = (sizeof(kernels::GradStatsBuffer) + 511) / 512 * 512;
-    CHECK(on_device[0].allocated.current ==
-          static_cast<std::int64_t>(stats_block + (scaled ? 512 : 0)));
   }
 }
 
