@@ -369,7 +369,13 @@ done
 cat >"$PRE/pack/build/tests_core" <<'EOF'
 #!/bin/sh
 [ "$1" = --count ] && exit 0
-if [ -n "${PRE_SMOKE_FAILS:-}" ]; then echo "ERROR: CHECK( close(y, ref) ) is NOT correct!"; exit 1; fi
+case "${PRE_SMOKE:-}" in
+  values) echo "ERROR: CHECK( close(y, ref) ) is NOT correct!"
+          echo "[doctest] test cases:   2 |   1 passed | 1 failed | 329 skipped"; exit 1 ;;
+  library) echo "[cudnn] cudnnCreate(&h) failed at conv.cu:40: CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH"
+           echo "[doctest] test cases:   2 |   1 passed | 1 failed | 329 skipped"; exit 1 ;;
+  crash) echo "Segmentation fault"; exit 139 ;;
+esac
 echo "[doctest] test cases:   2 |   2 passed | 0 failed | 329 skipped"
 EOF
 chmod +x "$PRE/cuda/bin/nvcc" "$PRE/pack/build"/*
@@ -409,10 +415,19 @@ pack newer_cudnn 13.0 9.20.1
 pre_check newer_cudnn
 check "an archive built with a newer cuDNN is not used" stage_message newer_cudnn prebuilt \
   "built with cuDNN 9.20.1, this machine has 9.19.0"
-pack smoke 13.0 9.19.0
-pre_check smoke PRE_SMOKE_FAILS=1
-check "an archive whose CUDA cases fail here is not used" stage_message smoke prebuilt \
-  "its CUDA cases fail here: ERROR: CHECK"
+pack library 13.0 9.19.0
+pre_check library PRE_SMOKE=library
+check "an archive whose libraries fail here is not used" stage_message library prebuilt \
+  "its CUDA cases cannot run here: [cudnn] cudnnCreate(&h) failed at"
+pack crash 13.0 9.19.0
+pre_check crash PRE_SMOKE=crash
+check "nor one whose smoke run crashes" stage_message crash prebuilt \
+  "its CUDA cases cannot run here: Segmentation fault"
+pack values 13.0 9.19.0
+pre_check values PRE_SMOKE=values
+check "an archive whose smoke cases fail a check of values is used (the bug is the code's)" \
+  stage_status values prebuilt pass
+check "and says so" stage_message values prebuilt "failed a check of values"
 
 # cpu_vs_torch.sh takes its folders relative to where it is started (it stops at the torch check).
 mkdir -p "$WORK/cwd/b"
