@@ -79,6 +79,8 @@ OUT="$(cd "$1" && pwd)"
 BUILD_DIR="$(cd "${BUILD_DIR:-$ROOT/build-gpu}" && pwd)"
 DEPS="$(realpath -m "${MB_DEPS_DIR:-$ROOT/deps}")"
 cd "$ROOT" || exit 2
+# shellcheck source=scripts/gpu_build_settings.sh
+source "$ROOT/scripts/gpu_build_settings.sh"
 CUDA="${MB_CUDA:-ON}"
 PYTHON="${PYTHON:-python3}"
 SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
@@ -318,8 +320,8 @@ say "started $(date -u +%FT%TZ) in $ROOT; results in $OUT; deadline ${SECONDS_TO
 say "GPU: ${GPU:-none found (no nvidia-smi or no device)}; nvcc ${NVCC_VERSION:-not found}; torch ${TORCH:-not importable by $PYTHON}; $JOBS cores"
 
 # ---- configure --------------------------------------------------------------------------------
-CONFIG_ARGS=(-S "$ROOT" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DMB_DEPS_DIR="$DEPS" -DMB_CUDA="$CUDA"
-             -DMB_BUILD_BENCHMARKS=ON -DMB_NATIVE=OFF)
+# The settings gpu_prebuild.sh builds with too; MB_CUDA last, as the later -D of a name wins.
+CONFIG_ARGS=(-S "$ROOT" -B "$BUILD_DIR" -DMB_DEPS_DIR="$DEPS" "${GPU_CMAKE_SETTINGS[@]}" -DMB_CUDA="$CUDA")
 CUDNN_NOTE=""
 [[ "${MB_GPU_CHECK_FRESH:-0}" == 1 ]] && rm -rf "$BUILD_DIR" && mkdir -p "$BUILD_DIR"
 # Ninja where there is one and the folder is new (CMake keeps a folder's generator): it compiles a
@@ -361,12 +363,16 @@ if [[ "$CUDA" == ON ]]; then
 fi
 # ---- prebuilt programs --------------------------------------------------------------------------
 # With MB_GPU_CHECK_PREBUILT=ARCHIVE (scripts/gpu_prebuild.sh), the programs built elsewhere replace
-# the configure and build stages when they fit this checkout and this machine: every source file
-# their manifest lists is unchanged here, nvcc and cuDNN here are no older than the ones they were
-# built with, every program finds its libraries and starts, and, with a GPU, a cuBLAS case and a
-# cuDNN case run. They go to the folder they were built in (the manifest's root: build/, with
-# src/ a link to this checkout, whose paths the programs hold). Otherwise the stage "prebuilt" says
-# why, as skipped, and the check builds as before.
+# the configure and build stages when they fit this checkout and this machine: they were built with
+# this check's settings (scripts/gpu_build_settings.sh), every source file their manifest lists is
+# unchanged here, nvcc and cuDNN here are no older than the ones they were built with, every program
+# finds its libraries and starts, and, with a GPU, a cuBLAS case and a cuDNN case run without an
+# error from the device or the libraries. They go to the folder they were built in (the manifest's
+# root: build/, with src/ a link to this checkout, whose paths the programs hold). Otherwise the
+# stage "prebuilt" says why, as skipped, and the check builds as before. Where the programs find
+# the CUDA libraries only in the toolkit's folders, those go on LD_LIBRARY_PATH, and the PyTorch
+# stages run with the value from before (TORCH_ENV), so that PyTorch keeps its own libraries.
+TORCH_ENV=()
 version_ge() { [[ "$(printf '%s\n%s\n' "$1" "$2" | sort -V | head -n 1)" == "$2" ]]; }  # A >= B
 prebuilt_seconds() { awk -v a="$PREBUILT_T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 prebuilt_refused() {  # why
@@ -379,26 +385,46 @@ cudnn_version() {  # cudnn_version.h: its MAJOR.MINOR.PATCHLEVEL
   awk '/#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) / { v[$2] = $3 }
        END { print v["CUDNN_MAJOR"] "." v["CUDNN_MINOR"] "." v["CUDNN_PATCHLEVEL"] }' "$1"
 }
+unpack() {  # ARCHIVE DEST [MEMBER]: with xz, else with Python's tarfile
+  if command -v xz >/dev/null 2>&1; then
+    tar -xJf "$1" -C "$2" ${3:+"$3"}
+  else
+    "$PYTHON" "$ROOT/scripts/untar_xz.py" "$@"
+  fi
+}
+missing_library() {  # FOLDER: the first program there that is missing or lacks a library, and why
+  local p line
+  for p in "${PROGRAMS[@]}"; do
+    [[ -x "$1/$p" ]] || { echo "$p: not an executable file"; return; }
+    line="$(timeout 30 env LD_TRACE_LOADED_OBJECTS=1 "$1/$p" 2>&1 | grep -m 1 'not found')"
+    [[ -z "$line" ]] || { echo "$p: $line"; return; }
+  done
+}
 use_prebuilt() {  # archive: true when its programs are in use, in BUILD_DIR
-  local archive="$1" tmp manifest root built_nvcc built_cudnn here_cudnn="" bad p line
+  local archive="$1" tmp manifest root built_settings built_nvcc built_cudnn here_cudnn="" bad line
   PREBUILT_T0=$(date +%s.%N)
   PREBUILT_TMP="$(mktemp -d)"
   tmp="$PREBUILT_TMP"
   manifest="$tmp/build/prebuilt.manifest"
   say "---- prebuilt: $archive"
   [[ -f "$archive" ]] || { prebuilt_refused "$archive is not a file"; return 1; }
-  tar -xJf "$archive" -C "$tmp" build/prebuilt.manifest 2>"$tmp/err" ||
+  unpack "$archive" "$tmp" build/prebuilt.manifest 2>"$tmp/err" ||
     { prebuilt_refused "cannot read its manifest: $(head -n 1 "$tmp/err")"; return 1; }
   root="$(sed -n 's/^root //p' "$manifest")"
+  built_settings="$(sed -n 's/^settings //p' "$manifest")"
   built_nvcc="$(sed -n 's/^nvcc //p' "$manifest")"
   built_cudnn="$(sed -n 's/^cudnn //p' "$manifest")"
   [[ "$root" == /* ]] || { prebuilt_refused "its manifest names no root folder"; return 1; }
+  [[ "$built_settings" == "$(gpu_build_settings_line)" ]] ||
+    { prebuilt_refused "built with other settings (${built_settings:-none named})"; return 1; }
   sed -n 's/^source //p' "$manifest" >"$tmp/sources.sha256"
   [[ -s "$tmp/sources.sha256" ]] || { prebuilt_refused "its manifest lists no source files"; return 1; }
-  # The first three files that differ (or are missing) here.
-  bad="$(cd "$ROOT" && sha256sum --quiet -c "$tmp/sources.sha256" 2>/dev/null | sed 's/: .*//' |
-           head -n 3 | paste -sd ' ' -)"
-  [[ -z "$bad" ]] || { prebuilt_refused "built from other sources (changed here: $bad)"; return 1; }
+  if ! (cd "$ROOT" && sha256sum --quiet --strict -c "$tmp/sources.sha256") >"$tmp/sums" 2>&1; then
+    # The first three files that differ (or are missing) here, else what sha256sum said.
+    bad="$(sed -n 's/: FAILED.*//p' "$tmp/sums" | head -n 3 | paste -sd ' ' -)"
+    prebuilt_refused "built from other sources (changed here: ${bad:-$(head -n 1 "$tmp/sums")})"
+    return 1
+  fi
   [[ -n "$NVCC_VERSION" ]] && version_ge "$NVCC_VERSION" "$built_nvcc" ||
     { prebuilt_refused "built with nvcc $built_nvcc, this machine has ${NVCC_VERSION:-none}"; return 1; }
   if [[ "$built_cudnn" != none ]]; then
@@ -418,33 +444,38 @@ use_prebuilt() {  # archive: true when its programs are in use, in BUILD_DIR
   rm -f "$root/shared"
   [[ -d "$ROOT/../shared" ]] && ln -sfn "$(cd "$ROOT/.." && pwd)/shared" "$root/shared"
   rm -rf "$root/build"
-  tar -xJf "$archive" -C "$root" 2>"$tmp/err" ||
+  unpack "$archive" "$root" 2>"$tmp/err" ||
     { prebuilt_refused "cannot unpack it: $(head -n 1 "$tmp/err")"; return 1; }
-  # The CUDA libraries where the toolkit keeps them (the programs were linked elsewhere).
-  if [[ -n "$NVCC" ]]; then
+  # The CUDA libraries: where the system finds them, else in the toolkit's folders.
+  line="$(missing_library "$root/build")"
+  if [[ -n "$line" && -n "$NVCC" && "$line" == *"not found"* ]]; then
     local cuda_root
     cuda_root="$(dirname "$(dirname "$(realpath "$NVCC")")")"
+    TORCH_ENV=(env -u LD_LIBRARY_PATH)
+    [[ -n "${LD_LIBRARY_PATH+set}" ]] && TORCH_ENV=(env LD_LIBRARY_PATH="$LD_LIBRARY_PATH")
     LD_LIBRARY_PATH="$cuda_root/lib64:$cuda_root/lib:$cuda_root/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export LD_LIBRARY_PATH
+    say "prebuilt: the CUDA libraries from $cuda_root (LD_LIBRARY_PATH; not for the PyTorch stages)"
+    line="$(missing_library "$root/build")"
   fi
-  for p in "${PROGRAMS[@]}"; do
-    line="$(LD_TRACE_LOADED_OBJECTS=1 "$root/build/$p" 2>&1 | grep -m 1 'not found')"
-    [[ -z "$line" ]] || { prebuilt_refused "$p: $line"; return 1; }
-  done
+  [[ -z "$line" ]] || { prebuilt_refused "$line"; return 1; }
   local run
   for line in "microbatch --help" "tests_core --count"; do
     read -ra run <<<"$line"
-    "$root/build/${run[0]}" "${run[@]:1}" >/dev/null 2>"$tmp/err" ||
+    timeout --kill-after=5 60 "$root/build/${run[0]}" "${run[@]:1}" >/dev/null 2>"$tmp/err" ||
       { prebuilt_refused "$line: $(head -n 1 "$tmp/err")"; return 1; }
   done
-  # With a GPU: a cuBLAS case and a cuDNN case, both run on it before, must run. A failure from the
-  # libraries or the device (a CUDA, cuBLAS or cuDNN status, a crash) refuses the programs; a
-  # failed check of values is a bug that a build here would have too, and the tests will show.
-  local note=""
+  # With a GPU: a cuBLAS case and a cuDNN case, both passed on an H200 before. An error from the
+  # device or the libraries (a CUDA, cuBLAS or cuDNN status, a crash, a hang) refuses the programs;
+  # a failed check of values is a bug that a build here would have too, and the tests will show it.
+  local note="" rc=0
   if [[ -n "$GPU" ]]; then
-    if ! timeout 120 "$root/build/tests_core" --test-suite=cuda \
-         -tc='cuda matmul: 16-bit accumulates*,cuda conv2d and max_pool2d backward*' >"$tmp/smoke" 2>&1; then
-      line="$(grep -m 1 -E 'failed at |_STATUS_|error while loading|no kernel image|driver' "$tmp/smoke")"
+    timeout --kill-after=10 120 "$root/build/tests_core" --test-suite=cuda \
+      -tc='cuda matmul: 16-bit accumulates*,cuda conv2d and max_pool2d backward*' \
+      >"$tmp/smoke" 2>&1 || rc=$?
+    if ((rc != 0)); then
+      line="$(grep -m 1 -E 'failed at |_STATUS_|error while loading|no kernel image|CRASHED' "$tmp/smoke")"
+      ((rc == 124 || rc >= 128)) && [[ -z "$line" ]] && line="exit status $rc (killed or crashed)"
       [[ -z "$line" ]] && ! grep -q '\[doctest\] test cases:' "$tmp/smoke" && line="$(tail -n 1 "$tmp/smoke")"
       [[ -z "$line" ]] || { prebuilt_refused "its CUDA cases cannot run here: $line"; return 1; }
       note="; its smoke cases failed a check of values (see the tests)"
@@ -461,7 +492,7 @@ use_prebuilt() {  # archive: true when its programs are in use, in BUILD_DIR
   record prebuilt pass "$(prebuilt_seconds)" "programs built $when, in $BUILD_DIR$note"
   rm -rf "$tmp"
 }
-PROGRAMS=(microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
+PROGRAMS=("${GPU_PROGRAMS[@]}")
 PREBUILT_USED=0
 if [[ -n "${MB_GPU_CHECK_PREBUILT:-}" && "$CUDA" == ON ]] && wanted build; then
   use_prebuilt "$(realpath -m "$MB_GPU_CHECK_PREBUILT")" && PREBUILT_USED=1
@@ -491,9 +522,8 @@ fi
 # The command and benchmarks first, the test suites last; -k keeps going past a target that fails,
 # so the stages whose programs did build still run. Each program is deleted before the build, so one
 # that is there afterwards was built (or found up to date) by this run.
-TARGETS=(microbatch_cli)
-[[ "$CUDA" == ON ]] && TARGETS+=(bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda)
-TARGETS+=(tests_core tests_train)
+TARGETS=("${GPU_TARGETS[@]}")
+[[ "$CUDA" == ON ]] || TARGETS=(microbatch_cli tests_core tests_train)
 built() { [[ -x "$BUILD_DIR/$1" ]]; }
 if ((PREBUILT_USED)); then
   :
@@ -570,15 +600,15 @@ if gpu_stage torch_gpt2 && need_torch torch_gpt2; then
   if [[ ! -f "$GPT2_IO/gpt2_init.safetensors" ]]; then
     skip_stage torch_gpt2 "no initial weights: bench_gpt2 did not write them"
   else
-    run_stage torch_gpt2 75 30 "$PYTHON" benchmarks/torch_gpt2.py --weights "$GPT2_IO/gpt2_init.safetensors" \
+    run_stage torch_gpt2 75 30 "${TORCH_ENV[@]}" "$PYTHON" benchmarks/torch_gpt2.py --weights "$GPT2_IO/gpt2_init.safetensors" \
       --tokens "$GPT2_IO/gpt2_tokens.safetensors" --json "$OUT/torch_gpt2.json"
   fi
 fi
 rm -rf "$GPT2_IO"
 gpu_stage torch_attention && need_torch torch_attention &&
-  run_stage torch_attention 40 15 "$PYTHON" benchmarks/torch_attention.py --json "$OUT/torch_attention.json"
+  run_stage torch_attention 40 15 "${TORCH_ENV[@]}" "$PYTHON" benchmarks/torch_attention.py --json "$OUT/torch_attention.json"
 gpu_stage torch_kernels && need_torch torch_kernels &&
-  run_stage torch_kernels 45 20 "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
+  run_stage torch_kernels 45 20 "${TORCH_ENV[@]}" "$PYTHON" benchmarks/torch_kernels.py --json "$OUT/torch_kernels.json"
 
 # ---- tests (their CUDA cases run where there is a GPU) ------------------------------------------
 KEEP=105  # room for the planner's runs and the comparison, whatever a test suite or memcheck does

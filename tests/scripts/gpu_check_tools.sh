@@ -359,6 +359,7 @@ check "and not itself" bash -c "! tar tzf '$WORK/inside/gpu.tar.gz' | grep -q 'g
 # stand-ins), each with a root folder of its own; nvcc 13.0 and cuDNN 9.19.0 are stand-ins too. Only
 # the build stage is asked for, so an archive that does not fit leaves nothing to build with.
 PRE="$WORK/pre"
+source "$ROOT/scripts/gpu_build_settings.sh"
 mkdir -p "$PRE/pack/build" "$PRE/cuda/bin" "$PRE/cuda/include"
 printf '#!/bin/sh\necho "Cuda compilation tools, release 13.0, V13.0.48"\n' >"$PRE/cuda/bin/nvcc"
 printf '#define CUDNN_MAJOR 9\n#define CUDNN_MINOR 19\n#define CUDNN_PATCHLEVEL 0\n' \
@@ -369,22 +370,29 @@ done
 cat >"$PRE/pack/build/tests_core" <<'EOF'
 #!/bin/sh
 [ "$1" = --count ] && exit 0
+summary() { echo "[doctest] test cases:   2 |   $1 passed | $((2 - $1)) failed | 329 skipped"; }
+# As doctest reports them: a failed check, a library's status, a crash (doctest still prints its
+# summary), a kill without a word.
 case "${PRE_SMOKE:-}" in
-  values) echo "ERROR: CHECK( close(y, ref) ) is NOT correct!"
-          echo "[doctest] test cases:   2 |   1 passed | 1 failed | 329 skipped"; exit 1 ;;
+  values) echo "ERROR: CHECK( close(y, ref) ) is NOT correct!"; summary 1; exit 1 ;;
   library) echo "[cudnn] cudnnCreate(&h) failed at conv.cu:40: CUDNN_STATUS_SUBLIBRARY_VERSION_MISMATCH"
-           echo "[doctest] test cases:   2 |   1 passed | 1 failed | 329 skipped"; exit 1 ;;
-  crash) echo "Segmentation fault"; exit 139 ;;
+           summary 1; exit 1 ;;
+  crash) echo "TEST CASE:  cuda conv2d and max_pool2d backward are deterministic"
+         echo "CRASHED: SIGSEGV - Segmentation violation signal"; summary 1; exit 139 ;;
+  killed) summary 1; exit 137 ;;
 esac
-echo "[doctest] test cases:   2 |   2 passed | 0 failed | 329 skipped"
+summary 2
 EOF
 chmod +x "$PRE/cuda/bin/nvcc" "$PRE/pack/build"/*
-pack() {  # NAME NVCC CUDNN [SED]: $PRE/NAME.tar.xz, the manifest's source lines edited by SED
+pack() {  # NAME NVCC CUDNN [SED]: $PRE/NAME.tar.xz of $PACK (default $PRE/pack), the manifest's
+  # source lines edited by SED
+  local from="${PACK:-$PRE/pack}"
   {
-    printf 'root %s\nnvcc %s\ncudnn %s\nbuilt 2026-01-01T00:00:00Z on packer\n' "$PRE/root-$1" "$2" "$3"
+    printf 'root %s\nsettings %s\nnvcc %s\ncudnn %s\nbuilt 2026-01-01T00:00:00Z on packer\n' \
+      "$PRE/root-$1" "${PRE_SETTINGS:-$(gpu_build_settings_line)}" "$2" "$3"
     (cd "$ROOT" && sha256sum CMakeLists.txt core/tensor.h kernels/cuda/gemm.cu) | sed "s/^/source /; ${4:-}"
-  } >"$PRE/pack/build/prebuilt.manifest"
-  tar -C "$PRE/pack" -cJf "$PRE/$1.tar.xz" build
+  } >"$from/build/prebuilt.manifest"
+  tar -C "$from" -cJf "$PRE/$1.tar.xz" build
 }
 pre_check() {  # NAME, then VAR=value...: the check asked for its build stage, with NAME's archive
   stub_check "$1" PATH="$PRE/cuda/bin:$WORK/bin:$PATH" BUILD_DIR="$WORK/$1-build" \
@@ -422,7 +430,38 @@ check "an archive whose libraries fail here is not used" stage_message library p
 pack crash 13.0 9.19.0
 pre_check crash PRE_SMOKE=crash
 check "nor one whose smoke run crashes" stage_message crash prebuilt \
-  "its CUDA cases cannot run here: Segmentation fault"
+  "its CUDA cases cannot run here: CRASHED: SIGSEGV"
+pack killed 13.0 9.19.0
+pre_check killed PRE_SMOKE=killed
+check "nor one whose smoke run is killed" stage_message killed prebuilt \
+  "its CUDA cases cannot run here: exit status 137"
+PRE_SETTINGS="-DCMAKE_BUILD_TYPE=Debug; targets tests_core" pack settings 13.0 9.19.0
+pre_check settings
+check "nor one built with other settings" stage_message settings prebuilt \
+  "built with other settings (-DCMAKE_BUILD_TYPE=Debug; targets tests_core)"
+# A program that finds its library only in the toolkit's lib64: the check puts that folder on
+# LD_LIBRARY_PATH, and the stages after it run the program.
+if command -v gcc >/dev/null 2>&1; then
+  mkdir -p "$PRE/cuda/lib64" "$PRE/pack_lib"
+  cp -r "$PRE/pack/build" "$PRE/pack_lib/"
+  echo 'int mb_fake(void) { return 0; }' >"$PRE/fake.c"
+  echo 'int mb_fake(void); int main(void) { return mb_fake(); }' >"$PRE/main.c"
+  gcc -shared -fPIC -o "$PRE/cuda/lib64/libmbfake.so" "$PRE/fake.c" &&
+    gcc -o "$PRE/pack_lib/build/bench_attention_cuda" "$PRE/main.c" -L"$PRE/cuda/lib64" -lmbfake
+  PACK="$PRE/pack_lib" pack lib 13.0 9.19.0
+  pre_check lib MB_GPU_CHECK_STAGES="build bench_attention"
+  check "a program whose library lies in the toolkit's lib64 is used" stage_status lib prebuilt pass
+  check "the check says where from" grep -q "the CUDA libraries from $PRE/cuda" "$WORK/lib/gpu_check.log"
+  check "and the program runs in the later stages" stage_status lib bench_attention pass
+else
+  echo "skipped: a prebuilt program whose library lies in lib64 (no gcc here)"
+fi
+# Without the xz program, the check unpacks with Python's tarfile: the same files, modes kept.
+mkdir -p "$PRE/untar"
+"$PY" "$ROOT/scripts/untar_xz.py" "$PRE/fits.tar.xz" "$PRE/untar" build/prebuilt.manifest
+check "untar_xz.py takes one member" bash -c "[[ -f '$PRE/untar/build/prebuilt.manifest' && ! -e '$PRE/untar/build/tests_core' ]]"
+"$PY" "$ROOT/scripts/untar_xz.py" "$PRE/fits.tar.xz" "$PRE/untar"
+check "and the whole archive, execute bits kept" test -x "$PRE/untar/build/tests_core"
 pack values 13.0 9.19.0
 pre_check values PRE_SMOKE=values
 check "an archive whose smoke cases fail a check of values is used (the bug is the code's)" \
