@@ -137,10 +137,7 @@ GPU=""
 if command -v nvidia-smi >/dev/null 2>&1; then
   GPU="$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
 fi
-NVCC="$(command -v nvcc || true)"
-[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
-NVCC_VERSION=""
-[[ -n "$NVCC" ]] && NVCC_VERSION="$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
+find_nvcc
 SANITIZER="$(command -v compute-sanitizer || true)"
 [[ -z "$SANITIZER" && -n "$NVCC" && -x "$(dirname "$NVCC")/compute-sanitizer" ]] && SANITIZER="$(dirname "$NVCC")/compute-sanitizer"
 TORCH="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)"
@@ -380,10 +377,6 @@ prebuilt_refused() {  # why
   record prebuilt skip "$(prebuilt_seconds)" "not used: $1"
   rm -rf "$PREBUILT_TMP"
   return 1
-}
-cudnn_version() {  # cudnn_version.h: its MAJOR.MINOR.PATCHLEVEL
-  awk '/#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) / { v[$2] = $3 }
-       END { print v["CUDNN_MAJOR"] "." v["CUDNN_MINOR"] "." v["CUDNN_PATCHLEVEL"] }' "$1"
 }
 unpack() {  # ARCHIVE DEST [MEMBER]: with xz, else with Python's tarfile
   if command -v xz >/dev/null 2>&1; then

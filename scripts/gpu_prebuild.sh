@@ -43,13 +43,11 @@ say() { echo "[gpu_prebuild] $*"; }
   say "no dependency bundle at $DEPS: make it first with scripts/bundle_deps.sh $DEPS"
   exit 1
 }
-NVCC="$(command -v nvcc || true)"
-[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+find_nvcc
 [[ -n "$NVCC" ]] || {
   say "no nvcc on this machine: the GPU programs cannot be built here"
   exit 1
 }
-NVCC_VERSION="$("$NVCC" --version | sed -n 's/.*release \([0-9.]*\),.*/\1/p')"
 
 # The copy: the build's inputs only (no build folders, no dependency bundle, nothing ignored; a
 # tracked file deleted from the working tree is left out). The checkout's times are kept, so that
@@ -101,9 +99,7 @@ CUDNN=none
 if grep -q 'microbatch: cuDNN /' "$P/configure.log"; then
   include="$(sed -n 's/^MB_CUDNN_INCLUDE:PATH=//p' "$P/build/CMakeCache.txt")"
   if [[ -f "$include/cudnn_version.h" ]]; then
-    CUDNN="$(awk '/#define CUDNN_(MAJOR|MINOR|PATCHLEVEL) / { v[$2] = $3 }
-                  END { print v["CUDNN_MAJOR"] "." v["CUDNN_MINOR"] "." v["CUDNN_PATCHLEVEL"] }' \
-                 "$include/cudnn_version.h")"
+    CUDNN="$(cudnn_version "$include/cudnn_version.h")"
   else
     say "CMake linked cuDNN, but $include has no cudnn_version.h"
     exit 1
