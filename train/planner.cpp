@@ -11,6 +11,7 @@
 #include "core/ops/dispatch.h"
 #include "core/rng.h"
 #include "optim/boundary_step.h"
+#include "train/loss_sum.h"
 
 namespace microbatch::train {
 
@@ -320,11 +321,13 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
     const optim::DeferredBuffers boundary =
         gpu ? optim::DeferredBuffers(kMeta, scaled ? &scale_state : nullptr)
             : optim::DeferredBuffers();
+    // The run's sum, as LossSum holds it once a window has been added: one f64 scalar.
     const Tensor run_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
-    // The window's sum: from its first micro-batch to its end, found by counting rows (where a
-    // window has more than two micro-batches, the sequence below skips its middle ones, and the
-    // next window's first then runs beside a sum it does not have: 512 bytes over).
-    Tensor window_loss;
+    // The window's, added to as the Trainer adds to it; a window ends where its rows reach the
+    // effective batch (where a window has more than two micro-batches, the sequence below skips
+    // its middle ones, and the next window's first then runs beside a sum it does not have: 512
+    // bytes over).
+    LossSum window_loss(kMeta);
     std::int64_t window_rows = 0;
     reset_peak_memory_stats(kMeta);
     const MemoryStats start = memory_stats(kMeta);
@@ -352,14 +355,14 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
         seed = full(out.loss.shape(), 1.0, {.dtype = out.loss.dtype(), .device = kMeta});
       }
       out.loss.backward(seed);
-      if (gpu) {  // LossSum::add: the loss in f64, weighted unless it is the window's only one
+      if (gpu) {  // weighted by the micro-batch's share of the window, as the Trainer weights it
         const std::int64_t rows = batch.size();
-        Tensor term = out.loss.detach().to(DType::f64);
-        if (rows < config_.effective_batch) term = term * 0.5;
-        window_loss = window_loss.defined() ? window_loss + term : term;
+        const double share =
+            static_cast<double>(rows) / static_cast<double>(config_.effective_batch);
+        window_loss.add(out.loss, share);
         window_rows += rows;
         if (window_rows >= config_.effective_batch) {  // the window ends: the next starts a sum
-          window_loss = Tensor();
+          window_loss = LossSum(kMeta);
           window_rows = 0;
         }
       }
