@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -42,48 +43,134 @@ const char* idx_type_name(std::uint8_t type) {
   }
 }
 
-// A gzip-compressed or plain file; gzread passes plain files through unchanged.
+// Note [Reading gzip]: a gzip-compressed or plain file, told apart by gzip's two id bytes and
+// decompressed as it is read. A gzip file may hold several members, read as one stream (as gzip(1)
+// and Python's gzip module read them); after a member only zero bytes (padding) or another member
+// may follow, as Python's gzip rules: any other byte is an error naming its offset, where zlib's
+// gzread would stop there in silence and the garbage would go unnoticed. A stream cut short, a
+// corrupt block or a wrong CRC is an error naming how far the data got.
 class GzReader {
  public:
-  explicit GzReader(const std::string& path) : path_(path), file_(gzopen(path.c_str(), "rb")) {
+  explicit GzReader(const std::string& path) : path_(path), file_(std::fopen(path.c_str(), "rb")) {
     MB_CHECK(file_ != nullptr, "[FashionMNIST] cannot open {}: {}", path, std::strerror(errno));
-    gzbuffer(file_, 1 << 17);
+    in_.resize(kRawChunk);
+    while (avail_ < 2 && refill()) {
+    }
+    if (avail_ >= 2 && in_[0] == kGzipId[0] && in_[1] == kGzipId[1]) {
+      format_ = Format::Gzip;
+      // 16 + MAX_WBITS: a gzip wrapper, its header and trailer (CRC-32, length) checked.
+      MB_CHECK(inflateInit2(&z_, 16 + MAX_WBITS) == Z_OK, "[FashionMNIST] {}: zlib could not start",
+               path);
+    }
   }
-  ~GzReader() { gzclose(file_); }
+  ~GzReader() {
+    if (format_ == Format::Gzip) inflateEnd(&z_);
+    std::fclose(file_);
+  }
   GzReader(const GzReader&) = delete;
   GzReader& operator=(const GzReader&) = delete;
 
   /// Reads up to n bytes into dst; fewer only at the end of the data.
   std::size_t read(void* dst, std::size_t n) {
-    std::size_t total = 0;
-    while (total < n) {
-      const auto chunk = static_cast<unsigned>(std::min<std::size_t>(n - total, 1u << 30));
-      const int got = gzread(file_, static_cast<char*>(dst) + total, chunk);
-      if (got <= 0) {
-        // A gzip stream cut short reports itself here rather than as a short IDX file.
-        int errnum = 0;
-        const char* msg = gzerror(file_, &errnum);
-        MB_CHECK(got == 0 && (errnum == Z_OK || errnum == Z_STREAM_END),
-                 "[FashionMNIST] {}: read failed after {} bytes: {}", path_, offset_ + total,
-                 strip_path(msg));
-        break;
-      }
-      total += static_cast<std::size_t>(got);
-    }
+    const std::size_t total = format_ == Format::Gzip ? inflate_into(dst, n) : copy_into(dst, n);
     offset_ += total;
     return total;
   }
 
  private:
-  // gzerror prefixes its message with the path, which our message already names.
-  std::string strip_path(const char* msg) const {
-    std::string m = msg ? msg : "unknown zlib error";
-    const std::string prefix = path_ + ": ";
-    return m.rfind(prefix, 0) == 0 ? m.substr(prefix.size()) : m;
+  enum class Format { Plain, Gzip };
+  enum class Stream { InMember, Ended };
+  static constexpr unsigned char kGzipId[2] = {0x1F, 0x8B};
+  static constexpr std::size_t kRawChunk = std::size_t{1} << 17;
+
+  // Moves the unread bytes to the front of in_ and reads more after them. False at the end of the
+  // file (or a read error, reported here).
+  bool refill() {
+    std::memmove(in_.data(), in_.data() + pos_, avail_);
+    pos_ = 0;
+    const std::size_t got = std::fread(in_.data() + avail_, 1, in_.size() - avail_, file_);
+    MB_CHECK(!std::ferror(file_), "[FashionMNIST] {}: read failed after {} bytes: {}", path_,
+             offset_, std::strerror(errno));
+    avail_ += got;
+    return got > 0;
+  }
+
+  std::size_t copy_into(void* dst, std::size_t n) {
+    auto* out = static_cast<unsigned char*>(dst);
+    std::size_t total = 0;
+    while (total < n && (avail_ > 0 || refill())) {
+      const std::size_t take = std::min(avail_, n - total);
+      std::memcpy(out + total, in_.data() + pos_, take);
+      pos_ += take;
+      avail_ -= take;
+      total += take;
+    }
+    return total;
+  }
+
+  // The file offset of the next unread byte.
+  std::uint64_t raw_offset() const {
+    return static_cast<std::uint64_t>(std::ftell(file_)) - avail_;
+  }
+
+  std::size_t inflate_into(void* dst, std::size_t n) {
+    auto* out = static_cast<unsigned char*>(dst);
+    std::size_t total = 0;
+    while (total < n && stream_ == Stream::InMember) {
+      if (avail_ == 0) {
+        MB_CHECK(refill(),
+                 "[FashionMNIST] {}: read failed after {} bytes: the gzip stream ends before its "
+                 "last block (the file is cut short)", path_, offset_ + total);
+      }
+      z_.next_in = in_.data() + pos_;
+      z_.avail_in = static_cast<uInt>(avail_);
+      z_.next_out = out + total;
+      z_.avail_out = static_cast<uInt>(std::min<std::size_t>(n - total, std::size_t{1} << 30));
+      const uInt out_before = z_.avail_out;
+      const int rc = inflate(&z_, Z_NO_FLUSH);
+      total += out_before - z_.avail_out;
+      pos_ += avail_ - z_.avail_in;
+      avail_ = z_.avail_in;
+      if (rc == Z_STREAM_END) {
+        after_member();
+        continue;
+      }
+      // Z_BUF_ERROR: no progress until more input arrives, which the next turn reads.
+      MB_CHECK(rc == Z_OK || (rc == Z_BUF_ERROR && avail_ == 0),
+               "[FashionMNIST] {}: read failed after {} bytes: {}", path_, offset_ + total,
+               z_.msg != nullptr ? z_.msg : zError(rc));
+    }
+    return total;
+  }
+
+  // At a member's end: zero padding is skipped; then the file ends, or another member begins.
+  void after_member() {
+    for (;;) {
+      if (avail_ == 0 && !refill()) {
+        stream_ = Stream::Ended;
+        return;
+      }
+      if (in_[pos_] != 0) break;
+      ++pos_;
+      --avail_;
+    }
+    while (avail_ < 2 && refill()) {
+    }
+    MB_CHECK(avail_ >= 2 && in_[pos_] == kGzipId[0] && in_[pos_ + 1] == kGzipId[1],
+             "[FashionMNIST] {}: garbage after the gzip stream: byte {} of the file (0x{:02X}) is "
+             "neither zero padding nor the start of another gzip member",
+             path_, raw_offset(), in_[pos_]);
+    MB_CHECK(inflateReset(&z_) == Z_OK, "[FashionMNIST] {}: zlib could not restart", path_);
   }
 
   std::string path_;
-  gzFile file_;
+  std::FILE* file_;
+  std::vector<unsigned char> in_;  // raw bytes read from the file: [pos_, pos_ + avail_) unread
+  std::size_t pos_ = 0;
+  std::size_t avail_ = 0;
+  Format format_ = Format::Plain;
+  Stream stream_ = Stream::InMember;
+  z_stream z_{};
   std::size_t offset_ = 0;  // decompressed bytes read so far
 };
 
@@ -163,7 +250,7 @@ std::string find_file(const std::string& root, const std::string& name) {
   std::error_code ec;
   for (const fs::path& p : {gz, plain}) {
     if (!fs::exists(p, ec)) continue;
-    // A FIFO would block gzopen until a writer came, and a folder fails only at the first read.
+    // A FIFO would block fopen until a writer came, and a folder fails only at the first read.
     MB_CHECK(fs::is_regular_file(p, ec), "[FashionMNIST] {} is not a regular file", p.string());
     return p.string();
   }

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -438,6 +439,64 @@ TEST_CASE("FashionMNIST rejects malformed IDX files with a clear message") {
     fs::resize_file(path, fs::file_size(path) / 2);
     write_gz(dir.file("train-labels-idx1-ubyte.gz"), good_labels);
     expect_error([&] { FashionMNIST(dir.path.string(), Split::Train); }, {path, "read failed"});
+  }
+}
+
+TEST_CASE("FashionMNIST reads gzip as Python's gzip does: members in a row, zero padding, nothing else") {
+  // Note [Reading gzip] (train/fashion_mnist.cpp).
+  const std::string images = idx_file(0x00000803, {3, 28, 28}, fake_pixels());
+  const std::string labels = idx_file(0x00000801, {3}, kFakeLabels);
+  auto gz_bytes = [](const std::string& bytes) {
+    TempDir tmp;
+    write_gz(tmp.file("x.gz"), bytes);
+    std::ifstream in(tmp.file("x.gz"), std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string whole = gz_bytes(images);
+  auto load = [&](const std::string& image_file_bytes) {
+    TempDir dir;
+    write_plain(dir.file("train-images-idx3-ubyte.gz"), image_file_bytes);
+    write_gz(dir.file("train-labels-idx1-ubyte.gz"), labels);
+    FashionMNIST data(dir.path.string(), Split::Train);
+    REQUIRE(data.size() == 3);
+    CHECK(data.label(2) == 4);
+    CHECK(std::memcmp(data.pixels(2), fake_pixels().data() + 2 * 784, 784) == 0);
+  };
+  SUBCASE("two members, split inside the pixels, read as one stream") {
+    load(gz_bytes(images.substr(0, 1000)) + gz_bytes(images.substr(1000)));
+  }
+  SUBCASE("zero padding after the stream, and between members") {
+    load(whole + std::string(100, '\0'));
+    load(gz_bytes(images.substr(0, 7)) + std::string(3, '\0') + gz_bytes(images.substr(7)));
+  }
+  auto refused = [&](const std::string& image_file_bytes, std::vector<std::string> needles) {
+    TempDir dir;
+    const std::string path = dir.file("train-images-idx3-ubyte.gz");
+    write_plain(path, image_file_bytes);
+    write_gz(dir.file("train-labels-idx1-ubyte.gz"), labels);
+    needles.push_back(path);
+    expect_error([&] { FashionMNIST(dir.path.string(), Split::Train); }, needles);
+  };
+  SUBCASE("garbage after the stream names its offset") {
+    refused(whole + "junk", {"garbage after the gzip stream",
+                             fmt::format("byte {} of the file (0x6A)", whole.size())});
+    // After zero padding too: the offset is the garbage's, past the zeros.
+    refused(whole + std::string(5, '\0') + "\x01",
+            {"garbage after the gzip stream", fmt::format("byte {} of the file (0x01)", whole.size() + 5)});
+    // A lone id byte is not a member.
+    refused(whole + "\x1f", {"garbage after the gzip stream", "(0x1F)"});
+  }
+  SUBCASE("a wrong CRC or length in the trailer") {
+    std::string bad = whole;
+    bad[bad.size() - 8] = static_cast<char>(bad[bad.size() - 8] ^ 0x01);  // CRC-32's first byte
+    refused(bad, {"read failed", "incorrect data check"});
+    bad = whole;
+    bad[bad.size() - 4] = static_cast<char>(bad[bad.size() - 4] ^ 0x01);  // ISIZE's first byte
+    refused(bad, {"read failed", "incorrect length check"});
+  }
+  SUBCASE("a stream cut short, at its trailer or in its data") {
+    refused(whole.substr(0, whole.size() - 3), {"read failed", "cut short"});
+    refused(whole.substr(0, whole.size() / 2), {"read failed", "cut short"});
   }
 }
 
