@@ -2,7 +2,37 @@
 
 #include <cmath>
 
+#include <nlohmann/json.hpp>
+
 namespace microbatch::nn {
+
+nlohmann::json Model::architecture() const { return nullptr; }
+
+nlohmann::json MLP::architecture() const {
+  return {{"model", "mlp"},
+          {"in_features", config.in_features},
+          {"hidden", config.hidden},
+          {"num_classes", config.num_classes}};
+}
+
+nlohmann::json CNN::architecture() const {
+  return {{"model", "cnn"},           {"in_channels", config.in_channels},
+          {"channels1", config.channels1}, {"channels2", config.channels2},
+          {"hidden", config.hidden},   {"num_classes", config.num_classes},
+          {"image_size", config.image_size}};
+}
+
+// n_head and ignore_index are what the weights' shapes do not show: the same weights split into
+// other heads compute another function, and another ignored label trains on other items.
+nlohmann::json GPT::architecture() const {
+  return {{"model", "gpt"},
+          {"vocab_size", config.vocab_size},
+          {"block_size", config.block_size},
+          {"n_layer", config.n_layer},
+          {"n_head", config.n_head},
+          {"n_embd", config.n_embd},
+          {"ignore_index", config.ignore_index}};
+}
 
 std::int64_t Model::count_not_ignored(const Tensor& labels, std::int64_t ignore_index) {
   const Tensor ignored =

@@ -5,6 +5,8 @@
 #include <memory>
 #include <vector>
 
+#include <nlohmann/json_fwd.hpp>
+
 #include "nn/layers.h"
 
 namespace microbatch::nn {
@@ -29,6 +31,12 @@ class Model : public Module {
   /// Recompute activations in backward instead of keeping them (trades compute for memory).
   virtual void set_gradient_checkpointing(bool on) = 0;
   virtual bool gradient_checkpointing() const = 0;
+  /// What makes the model's weights mean what they mean, beyond their shapes: its kind and the
+  /// settings that change the function the weights compute or the loss they were trained on
+  /// ({"model": "gpt", "n_head": 12, ...}; not dropout or checkpointing). The Trainer records it
+  /// in every checkpoint and refuses to resume a model that says otherwise. Null for a model that
+  /// does not say (the default): such a checkpoint is resumed on the weights' shapes alone.
+  virtual nlohmann::json architecture() const;
 
  protected:
   /// The entries of integer `labels` other than ignore_index.
@@ -52,6 +60,7 @@ class MLP : public Model {
   /// Runs the layers as checkpointed segments of about sqrt(layers) layers each.
   void set_gradient_checkpointing(bool on) override;
   bool gradient_checkpointing() const override { return net->checkpoint_segments() > 1; }
+  nlohmann::json architecture() const override;
   MLPConfig config;
   std::shared_ptr<Sequential> net;
 };
@@ -76,6 +85,7 @@ class CNN : public Model {
   /// Runs the layers as four checkpointed segments.
   void set_gradient_checkpointing(bool on) override;
   bool gradient_checkpointing() const override { return net->checkpoint_segments() > 1; }
+  nlohmann::json architecture() const override;
   CNNConfig config;
   std::shared_ptr<Sequential> net;
 };
@@ -133,6 +143,7 @@ class GPT : public Model {
   /// Recomputes each block in backward.
   void set_gradient_checkpointing(bool on) override { config.gradient_checkpointing = on; }
   bool gradient_checkpointing() const override { return config.gradient_checkpointing; }
+  nlohmann::json architecture() const override;
   GPTConfig config;
   std::shared_ptr<Embedding> wte, wpe;
   std::vector<std::shared_ptr<Block>> blocks;

@@ -17,6 +17,7 @@
 #include <optional>
 #include <vector>
 
+#include "core/json_text.h"
 #include "optim/boundary_step.h"
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
@@ -75,6 +76,29 @@ MemoryPlan Trainer::make_plan() { return plan_training(model_init_, args_, train
 // ---- training ----------------------------------------------------------------------------------
 
 namespace {
+
+// The first setting in which a checkpoint's model architecture (Model::architecture) and this
+// model's differ, as "n_head = 2 in the checkpoint, 4 here"; nullopt when they agree.
+std::optional<std::string> first_difference(const nlohmann::json& saved, const nlohmann::json& now) {
+  if (!saved.is_object()) return fmt::format("its 'model' is {}, not a JSON object", shown_json(saved));
+  // The kind first: another kind differs in every setting.
+  if (saved.contains("model") && now.contains("model") && saved.at("model") != now.at("model"))
+    return fmt::format("model = {} in the checkpoint, {} here", shown_json(saved.at("model")),
+                       shown_json(now.at("model")));
+  for (const auto& [key, value] : now.items()) {
+    if (!saved.contains(key))
+      return fmt::format("no {} in the checkpoint, {} here", key, shown_json(value));
+    if (saved.at(key) != value)
+      return fmt::format("{} = {} in the checkpoint, {} here", key, shown_json(saved.at(key)),
+                         shown_json(value));
+  }
+  for (const auto& [key, value] : saved.items()) {
+    if (!now.contains(key))
+      return fmt::format("{} = {} in the checkpoint, which this model does not have", key,
+                         shown_json(value));
+  }
+  return std::nullopt;
+}
 
 // Enforces baseline + budget on the training device's allocator in its scope (Note [What the
 // budget covers]).
@@ -201,6 +225,7 @@ TrainOutput Trainer::train() {
   double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
   std::int64_t logged_at = 0;               // the step of the last log line
   const std::string fingerprint = label_fingerprint(train_set_);  // Note [Resuming the same run]
+  const nlohmann::json architecture = model_->architecture();
   if (!args_.resume_from_checkpoint.empty()) {
     std::optional<ResumePoint> point;
     if (args_.resume_from_checkpoint == "latest") {
@@ -286,6 +311,15 @@ TrainOutput Trainer::train() {
                "[Trainer] cannot resume from {}: it was trained on other data of the same size "
                "(its examples' fingerprint differs); the data order would differ (train on the "
                "same data)", point->path);
+    }
+    // The weights' shapes are checked as they load; what they do not show (GPT's n_head) is in
+    // the model's architecture, compared where the checkpoint and the model both record one.
+    if (st.contains("model") && !architecture.is_null()) {
+      const std::optional<std::string> differs = first_difference(st.at("model"), architecture);
+      MB_CHECK(!differs.has_value(),
+               "[Trainer] cannot resume from {}: it was trained with another model: {}; its "
+               "weights would compute another function (build the model as the checkpoint's)",
+               point->path, *differs);
     }
     MB_CHECK(saved_window <= windows_per_epoch,
              "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this run's epochs "
@@ -383,6 +417,7 @@ TrainOutput Trainer::train() {
                             {"skipped_steps", skipped},
                             {"train_examples", train_set_.size()},
                             {"train_fingerprint", fingerprint}};
+      if (!architecture.is_null()) data.trainer_state["model"] = architecture;
       if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
       // The log up to and including this save's own line (Note [A used output_dir]); the path is
       // save_checkpoint's, output_dir/checkpoint-<step>.

@@ -240,6 +240,45 @@ TEST_CASE("Trainer: resuming refuses a run whose data order would differ, naming
   CHECK(checkpoint_steps(dir.path).back() == 6);
 }
 
+TEST_CASE("Trainer: resuming refuses a model whose weights would mean something else, naming the setting") {
+  // Two heads of 8 or four of 4: the same weights, the same shapes, another function.
+  Sequences data(std::vector<std::int64_t>(24, 8), 13);
+  auto gpt = [](std::int64_t n_head, std::int64_t ignore_index) -> ModelInit {
+    return [=] {
+      return std::make_unique<nn::GPT>(nn::GPTConfig{.vocab_size = 13, .block_size = 16, .n_layer = 1,
+                                                     .n_head = n_head, .n_embd = 16,
+                                                     .ignore_index = ignore_index});
+    };
+  };
+  TempDir dir;
+  TrainingArguments a = small_run(dir.path);
+  a.max_steps = 2;
+  a.save_strategy = "steps";
+  a.save_steps = 2;
+  auto run = [&](const ModelInit& init, const TrainingArguments& args) {
+    std::ostringstream sink;
+    Trainer trainer(init, args, data);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+  };
+  run(gpt(2, -100), a);
+  const nlohmann::json saved = load_checkpoint((dir.path / "checkpoint-2").string()).trainer_state;
+  CHECK(saved["model"] == nlohmann::json{{"model", "gpt"}, {"vocab_size", 13}, {"block_size", 16},
+                                         {"n_layer", 1}, {"n_head", 2}, {"n_embd", 16},
+                                         {"ignore_index", -100}});
+  a.max_steps = 4;
+  a.resume_from_checkpoint = (dir.path / "checkpoint-2").string();
+  check_throws_with([&] { run(gpt(4, -100), a); },
+                    "it was trained with another model: n_head = 2 in the checkpoint, 4 here");
+  check_throws_with([&] { run(gpt(2, 0), a); },
+                    "ignore_index = -100 in the checkpoint, 0 here");
+  // Another kind of model is named before its weights' shapes are compared.
+  check_throws_with([&] { run(small_mlp(), a); },
+                    "model = \"gpt\" in the checkpoint, \"mlp\" here");
+  run(gpt(2, -100), a);  // the same model goes on
+  CHECK(checkpoint_steps(dir.path).back() == 4);
+}
+
 TEST_CASE("Trainer: a fresh run into another run's checkpoints is refused unless it overwrites them") {
   // Note [A used output_dir]: sharing the folder, the fresh run's rotation would delete its own
   // newest checkpoint and keep the old run's, and `latest` would resume the old run.
