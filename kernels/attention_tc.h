@@ -298,10 +298,12 @@ MB_TC_FN inline float quad_max(Ctx& ctx, float v) {
   return tc_max(v, ctx.shfl_xor(v, 2));
 }
 
-/// Which 64-row tile block `block` takes: the last first, so that under a causal mask the longest
-/// walks start earliest.
-MB_TC_FN inline std::int64_t tile_of(std::int64_t block, std::int64_t tiles) {
-  return tiles - 1 - block % tiles;
+/// Which tile a block's rows are. Under a causal mask the last query tile walks the most keys
+/// (forward, dq) and the first key tile the most queries (dk, dv); the lowest block numbers take
+/// the longest walks, so that they start earliest and the grid does not end on them.
+enum class TileOrder { LastFirst, FirstFirst };
+MB_TC_FN inline std::int64_t tile_of(std::int64_t block, std::int64_t tiles, TileOrder order) {
+  return order == TileOrder::LastFirst ? tiles - 1 - block % tiles : block % tiles;
 }
 
 /// row[col] = T(acc[nd].x[2h + e] * factor) for the columns col = nd * 8 + 2t + e this lane holds
@@ -381,7 +383,7 @@ MB_TC_FN void tc_forward_block(Ctx& ctx, const TcOperands<T>& p, T* out, float* 
   std::uint16_t* k_s = q_s + G::kBlockRows * P;   // (kCols, kD) keys
   std::uint16_t* v_s = k_s + G::kCols * P;        // (kCols, kD) values
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t i0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const std::int64_t i0 = tile_of(block, p.tiles, TileOrder::LastFirst) * G::kBlockRows;
   const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);
@@ -508,7 +510,7 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
   float* lse_s = reinterpret_cast<float*>(do_s + G::kCols * P);  // (kCols) lse * log2(e)
   float* delta_s = lse_s + G::kCols;                              // (kCols)
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t j0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const std::int64_t j0 = tile_of(block, p.tiles, TileOrder::FirstFirst) * G::kBlockRows;
   const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* q = p.q + head_offset(p.qs, bh);
@@ -597,7 +599,7 @@ MB_TC_FN void tc_dq_block(Ctx& ctx, const TcOperands<T>& p, const float* lse, co
   std::uint16_t* k_s = do_s + G::kBlockRows * P;  // (kCols, kD) keys
   std::uint16_t* v_s = k_s + G::kCols * P;        // (kCols, kD) values
   const std::int64_t bh = block / p.tiles;
-  const std::int64_t i0 = tile_of(block, p.tiles) * G::kBlockRows;
+  const std::int64_t i0 = tile_of(block, p.tiles, TileOrder::LastFirst) * G::kBlockRows;
   const int lane = ctx.thread() & 31, r0 = (ctx.thread() >> 5) * G::kWarpRows;
   const int g = lane >> 2, t = lane & 3;
   const T* k = p.k + head_offset(p.ks, bh);

@@ -349,6 +349,15 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- tensor-core kernels (f16, bf16) -----------------------------------------------------------
 
+// The oldest architecture with the MMA shape below (and ldmatrix): Ampere. A build that also
+// targets older ones compiles the two for them as traps, which use_tensor_cores never reaches.
+constexpr int kTcMinCapability = 80;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define MB_TC_ARCH 0
+#else
+#define MB_TC_ARCH 1
+#endif
+
 // The execution context of kernels/attention_tc.h on the device.
 struct DeviceContext {
   __device__ int thread() const { return static_cast<int>(threadIdx.x); }
@@ -356,19 +365,29 @@ struct DeviceContext {
   __device__ float shfl_xor(float v, int mask) const { return __shfl_xor_sync(kFullMask, v, mask); }
   template <bool kTrans>
   __device__ void ldmatrix(std::uint32_t (&r)[4], const std::uint16_t* row) const {
+#if MB_TC_ARCH
     const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    // "memory": the asm reads shared memory that plain stores wrote before the barrier.
     if constexpr (kTrans) {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                   : "r"(address));
+                   : "r"(address)
+                   : "memory");
     } else {
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                   : "r"(address));
+                   : "r"(address)
+                   : "memory");
     }
+#else
+    __trap();
+#endif
   }
   template <class T>
   __device__ void mma(tc::TcAcc& c, const tc::TcA& a, const tc::TcB& b) const {
+#if !MB_TC_ARCH
+    __trap();
+#else
     if constexpr (std::is_same_v<T, bf16>) {
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -383,6 +402,7 @@ struct DeviceContext {
           : "+f"(c.x[0]), "+f"(c.x[1]), "+f"(c.x[2]), "+f"(c.x[3])
           : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
     }
+#endif
   }
 };
 
@@ -482,7 +502,12 @@ AttentionKernel& kernel_choice() {
   return choice;
 }
 
-bool use_tensor_cores() { return kernel_choice() == AttentionKernel::tensor; }
+// The tensor-core kernels' mma.sync m16n8k16 needs sm_80 or later (their body is a trap in a
+// build for an older architecture): an older device takes the f32-math kernels, whatever the
+// setting.
+bool use_tensor_cores() {
+  return kernel_choice() == AttentionKernel::tensor && compute_capability() >= kTcMinCapability;
+}
 
 // Whether view x can be copied to shared memory 16 bytes at a time by tc::load_tile: rows of
 // exactly kD elements that start on 16-byte boundaries in every head.

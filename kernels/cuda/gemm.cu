@@ -493,9 +493,9 @@ void gemm_bias_gelu(const StridedView& a, const StridedView& b, const StridedVie
   const std::int64_t m = out.shape[1], n = out.shape[2];
   MB_CHECK(bias.ndim == 1 && bias.shape[0] == n && bias.dtype == out.dtype && pre.ndim == 3 &&
                pre.shape[1] == m && pre.shape[2] == n && pre.dtype == out.dtype &&
-               pre.strides[2] == 1,
-           "[gemm_bias_gelu] bias {} and pre {} do not match out {}", describe(bias), describe(pre),
-           describe(out));
+               pre.strides[2] == 1 && pre.data != out.data,
+           "[gemm_bias_gelu] bias {} and pre {} do not match out {}, or pre is out itself",
+           describe(bias), describe(pre), describe(out));
   if (m == 0 || n == 0) return;
   if ((n == 1 || bias.strides[0] == 1) &&
       lt_matmul(a, b, out,

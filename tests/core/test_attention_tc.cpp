@@ -376,6 +376,9 @@ TEST_CASE("tensor-core attention, emulated on the CPU: D = 128 and D = 32 geomet
   check_case<bf16, 32, 1>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
   check_case<bf16, 32, 2>(Case{1, 2, 70, 70, 32, true}, kTolBf16);
   check_case<f16, 32, 2>(Case{2, 1, 9, 9, 1, true}, kTolF16);  // D = 1
+  // Long enough for tiles wholly below the diagonal, which skip the per-element mask.
+  check_case<bf16, 128, 1>(Case{1, 1, 200, 200, 128, true}, kTolBf16);
+  check_case<bf16, 32, 2>(Case{1, 1, 200, 200, 32, true}, kTolBf16);
 }
 
 TEST_CASE("attention tiles: sees_all holds exactly when every pair of the tile is visible") {
