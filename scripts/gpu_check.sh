@@ -32,6 +32,9 @@
 #   tests_train
 #   sanitizer      compute-sanitizer memcheck on short training runs of tiny GPTs on cuda:0 (f32, bf16)
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
+#   racecheck      compute-sanitizer racecheck and synccheck on one training step of the bf16 tiny
+#                  GPT (the tensor-core attention's shared tiles and barriers, the row kernels'
+#                  block reductions)
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json,
 #                  and its plots -> OUTDIR/plots/*.svg
 #
@@ -85,7 +88,7 @@ CUDA="${MB_CUDA:-ON}"
 PYTHON="${PYTHON:-python3}"
 SECONDS_TOTAL="${MB_GPU_CHECK_SECONDS:-480}"
 BOX_SCALE="${MB_GPU_CHECK_BOX_SCALE:-1}"
-ALL_STAGES="configure build bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels tests_core tests_train sanitizer planner compare"
+ALL_STAGES="configure build bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels tests_core tests_train sanitizer planner racecheck compare"
 STAGES="${MB_GPU_CHECK_STAGES:-$ALL_STAGES}"
 BUNDLE="${MB_GPU_CHECK_BUNDLE:-}"
 [[ -n "$BUNDLE" ]] && BUNDLE="$(realpath -m "$BUNDLE")"
@@ -184,6 +187,18 @@ def figures(name):
     if name == "sanitizer":
         m = [int(x) for x in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
         return {"runs": len(m), "errors": sum(m)} if m else {}
+    if name == "racecheck":
+        # racecheck sums up as "RACECHECK SUMMARY: N hazards displayed (E errors, W warnings)",
+        # synccheck as "ERROR SUMMARY: E errors".
+        races = re.findall(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+        syncs = [int(x) for x in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        fig = {}
+        if races:
+            fig["racecheck"] = {"runs": len(races), "errors": sum(int(e) for e, _ in races),
+                                "warnings": sum(int(w) for _, w in races)}
+        if syncs:
+            fig["synccheck"] = {"runs": len(syncs), "errors": sum(syncs)}
+        return fig
     if name in ("bench_kernels", "torch_kernels"):
         j = load("kernels.json" if name == "bench_kernels" else "torch_kernels.json")
         if not j:
@@ -546,7 +561,7 @@ need_torch() {  # name: for a GPU stage, so there is a GPU and PyTorch's figures
 }
 
 # ---- GPU stages, the figures first --------------------------------------------------------------
-GPU_STAGES="bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels sanitizer planner compare"
+GPU_STAGES="bench_gpt2 profile_gpt2 bench_attention bench_kernels torch_gpt2 torch_attention torch_kernels sanitizer planner racecheck compare"
 GPU_OK=1
 if [[ -z "$GPU" || "$CUDA" != ON ]]; then
   reason=$([[ -z "$GPU" ]] && echo "no GPU on this machine" || echo "built without the CUDA backend")
@@ -649,6 +664,25 @@ fi
 KEEP=15  # for the comparison
 gpu_stage planner && ready planner microbatch &&
   run_stage planner 150 90 env PYTHON="$PYTHON" bash benchmarks/planner_cuda.sh "$BUILD_DIR" "$OUT"
+if gpu_stage racecheck && ready racecheck microbatch; then
+  if [[ -z "$SANITIZER" ]]; then
+    skip_stage racecheck "compute-sanitizer not found"
+  else
+    # The bf16 tiny GPT of the memcheck stage, one step: racecheck finds shared-memory hazards (a
+    # tile read before every warp wrote it, or rewritten while one still reads it), synccheck a
+    # barrier that not every thread of a block reaches. Last: the slowest tools, the least needed.
+    run_stage racecheck 60 20 bash -c '
+      sanitizer="$1" cli="$2" dir="$3/racecheck_run"
+      for tool in racecheck synccheck; do
+        echo "== $tool"
+        "$sanitizer" --tool "$tool" --error-exitcode 1 "$cli" train --model gpt --dataset synthetic \
+          --synthetic-size 8 --n-embd 128 --n-head 2 --block-size 80 --vocab-size 61 --bf16 \
+          --device cuda --n-layer 1 --per-device-train-batch-size 4 --max-steps 1 --logging-steps 1 \
+          --eval-strategy no --save-strategy no --output-dir "$dir" || exit 1
+        rm -rf "$dir"
+      done' racecheck "$SANITIZER" "$BUILD_DIR/microbatch" "$BUILD_DIR"
+  fi
+fi
 KEEP=0
 if gpu_stage compare; then
   if [[ -f "$OUT/kernels.json" || -f "$OUT/gpt2.json" || -f "$OUT/gpt2_simt.json" || -f "$OUT/planner.json" ||

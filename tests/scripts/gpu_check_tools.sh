@@ -316,6 +316,32 @@ check "memcheck keeps the planner's and the comparison's 105 s" stage_status kee
 check "so the planner runs" stage_status keep105 planner pass
 check "and the comparison" json "$WORK/keep105/results.json" 'j["stages"]["compare"]["status"] in ("pass", "fail")'
 
+# racecheck and synccheck: each tool's summary is read into the stage's figures, and a hazard
+# (the tool's exit status 1) fails the stage.
+mkdir -p "$WORK/races/bin"
+cat >"$WORK/races/bin/compute-sanitizer" <<'EOF'
+#!/bin/bash
+echo "sanitizer $*" >>"$(dirname "$0")/calls"
+case "$2" in
+  racecheck) echo "========= RACECHECK SUMMARY: ${RACES:-0} hazards displayed (${RACES:-0} errors, 1 warning)"
+             ((${RACES:-0} == 0)) || exit 1 ;;
+  synccheck) echo "========= ERROR SUMMARY: 0 errors" ;;
+  *) exit 3 ;;
+esac
+EOF
+chmod +x "$WORK/races/bin/compute-sanitizer"
+stub_check races PATH="$WORK/races/bin:$WORK/bin:$PATH" MB_GPU_CHECK_STAGES="racecheck"
+check "racecheck and synccheck pass without hazards" stage_status races racecheck pass
+check "their summaries are the stage's figures" json "$WORK/races/results.json" \
+  'j["stages"]["racecheck"]["figures"] == {"racecheck": {"runs": 1, "errors": 0, "warnings": 1}, "synccheck": {"runs": 1, "errors": 0}}'
+check "both tools ran the bf16 GPT's step" bash -c \
+  "grep -c -- '--bf16 .*--max-steps 1' '$WORK/races/bin/calls' | grep -qx 2 && grep -q -- '--tool synccheck' '$WORK/races/bin/calls'"
+rm -f "$WORK/races/bin/calls"
+stub_check races2 PATH="$WORK/races/bin:$WORK/bin:$PATH" MB_GPU_CHECK_STAGES="racecheck" RACES=2
+check "a hazard fails the stage" stage_status races2 racecheck fail
+check "and is counted" json "$WORK/races2/results.json" \
+  'j["stages"]["racecheck"]["figures"]["racecheck"]["errors"] == 2'
+
 # The planner: a run within its budget whose prediction is 20% off fails the stage.
 MB_PLANNER_SECONDS=20 FAKE_PREDICTED=1000 FAKE_MEASURED=1250 PYTHON="$PY" \
   bash "$ROOT/benchmarks/planner_cuda.sh" "$STUB" "$WORK/planner_off_run" 8GiB >"$WORK/planner_off_run.log" 2>&1
