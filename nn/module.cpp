@@ -37,6 +37,12 @@ void Module::collect(const std::string& prefix, bool params,
   for (const auto& [name, child] : children_) child->collect(prefix + name + ".", params, out, seen);
 }
 
+void Module::collect_every_name(const std::string& prefix, bool params,
+                                std::vector<std::pair<std::string, Tensor*>>& out) const {
+  for (const auto& [name, slot] : params ? params_ : buffers_) out.emplace_back(prefix + name, slot);
+  for (const auto& [name, child] : children_) child->collect_every_name(prefix + name + ".", params, out);
+}
+
 std::vector<std::pair<std::string, Tensor*>> Module::parameter_slots() {
   std::vector<std::pair<std::string, Tensor*>> out;
   std::vector<const Tensor*> seen;
@@ -82,35 +88,59 @@ StateDict Module::state_dict() const {
 }
 
 void Module::load_state_dict(const StateDict& state, LoadMode mode) {
-  std::vector<std::pair<std::string, Tensor*>> slots;
-  std::vector<const Tensor*> seen;
-  collect("", true, slots, seen);
-  collect("", false, slots, seen);
+  // Each tensor with every name it has: a tied one (the same slot, or one sharing its impl) is one
+  // tensor with several names, as collect() lists it once under the first.
+  struct Named {
+    std::vector<std::string> names;
+    Tensor* slot;
+  };
+  std::vector<Named> tensors;
+  std::vector<std::pair<std::string, Tensor*>> every;
+  collect_every_name("", true, every);
+  collect_every_name("", false, every);
+  for (auto& [name, slot] : every) {
+    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const Named& t) {
+      return t.slot == slot || (t.slot->defined() && slot->defined() && t.slot->impl() == slot->impl());
+    });
+    if (it != tensors.end()) {
+      it->names.push_back(name);
+    } else {
+      tensors.push_back({{name}, slot});
+    }
+  }
   // Under a store with f32 masters the working copy alone would be rewritten from stale masters
   // by the next step: the store takes the value (Note [Parameters owned by a store]).
   const std::vector<std::shared_ptr<ParameterOwner>> owners = live_owners();
   std::size_t used = 0;
-  for (auto& [name, slot] : slots) {
-    auto it = state.find(name);
-    if (it == state.end()) {
-      MB_CHECK(mode == LoadMode::NonStrict, "[load_state_dict] missing key '{}'", name);
-      continue;
+  for (Named& t : tensors) {
+    Tensor* slot = t.slot;
+    bool found = false;
+    for (const std::string& name : t.names) {
+      auto it = state.find(name);
+      if (it == state.end()) continue;
+      found = true;
+      ++used;
+      MB_CHECK(it->second.defined(), "[load_state_dict] '{}' is an undefined tensor", name);
+      MB_CHECK(!it->second.device().is_meta(),
+               "[load_state_dict] '{}' is on the meta device: it has no values to load", name);
+      MB_CHECK(it->second.shape() == slot->shape(),
+               "[load_state_dict] '{}' has shape {}, the model expects {}", name,
+               shape_str(it->second.shape()), shape_str(slot->shape()));
+      NoGradGuard no_grad;
+      const bool owned = std::any_of(owners.begin(), owners.end(), [&](const auto& owner) {
+        return owner->load_parameter(*slot, it->second);
+      });
+      if (!owned) slot->copy_(it->second);
     }
-    ++used;
-    MB_CHECK(it->second.defined(), "[load_state_dict] '{}' is an undefined tensor", name);
-    MB_CHECK(!it->second.device().is_meta(),
-             "[load_state_dict] '{}' is on the meta device: it has no values to load", name);
-    MB_CHECK(it->second.shape() == slot->shape(), "[load_state_dict] '{}' has shape {}, the model expects {}",
-             name, shape_str(it->second.shape()), shape_str(slot->shape()));
-    NoGradGuard no_grad;
-    const bool owned = std::any_of(owners.begin(), owners.end(), [&](const auto& owner) {
-      return owner->load_parameter(*slot, it->second);
-    });
-    if (!owned) slot->copy_(it->second);
+    if (!found && mode == LoadMode::Strict) {
+      std::string tied;  // the other names that would have served
+      for (std::size_t k = 1; k < t.names.size(); ++k) tied += fmt::format(" or '{}'", t.names[k]);
+      MB_CHECK(false, "[load_state_dict] missing key '{}'{}", t.names[0], tied);
+    }
   }
   if (mode == LoadMode::Strict && used != state.size()) {
     for (auto& [name, t] : state) {
-      bool known = std::any_of(slots.begin(), slots.end(), [&](auto& s) { return s.first == name; });
+      bool known = std::any_of(every.begin(), every.end(), [&](auto& s) { return s.first == name; });
       MB_CHECK(known, "[load_state_dict] unexpected key '{}'", name);
     }
   }

@@ -76,6 +76,8 @@ class Module {
   /// Copies of nothing: the live parameter and buffer tensors by name (detached).
   StateDict state_dict() const;
   /// Copies values in (shapes must match; dtype is converted). Strict: names must match exactly.
+  /// A tied tensor (one registered under several names) is found under any of them, as torch's
+  /// state dicts list it under each; strict mode needs one, and loads every one given.
   /// A parameter owned by a ParamStore with f32 masters is loaded into its master, unrounded.
   void load_state_dict(const StateDict& state, LoadMode mode = LoadMode::Strict);
   /// Moves (or casts) every parameter and buffer; parameters stay leaves and keep requires_grad.
@@ -115,6 +117,9 @@ class Module {
   void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
   void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,
                std::vector<const Tensor*>& seen) const;
+  // Every slot under its dotted name, a tied one under each of its names, in collect's order.
+  void collect_every_name(const std::string& prefix, bool params,
+                          std::vector<std::pair<std::string, Tensor*>>& out) const;
 
   std::vector<std::pair<std::string, Tensor*>> params_;
   std::vector<std::pair<std::string, Tensor*>> buffers_;

@@ -123,6 +123,50 @@ TEST_CASE("train/eval reaches every child; dropout is off in eval") {
   CHECK(m.net->is_training());
 }
 
+namespace {
+// Two layers that share one weight, as a language model's head shares its embedding's.
+struct TiedPair : Module {
+  TiedPair() {
+    first = register_module("first", std::make_shared<Linear>(3, 4));
+    second = register_module("second", std::make_shared<Linear>(3, 4));
+    second->weight = first->weight;
+  }
+  std::shared_ptr<Linear> first, second;
+};
+}  // namespace
+
+TEST_CASE("load_state_dict takes a tied weight under any of its names, as torch's lists each") {
+  manual_seed(3);
+  TiedPair m;
+  auto named = m.named_parameters();  // listed once, under its first name
+  REQUIRE(named.size() == 3);
+  CHECK(named[0].first == "first.weight");
+  const Tensor w = full({4, 3}, 0.5), b1 = full({4}, 1.0), b2 = full({4}, 2.0);
+  auto check_loaded = [&](double value) {
+    check_close(m.first->weight, full({4, 3}, value), 0, 0, "the tied weight");
+    CHECK(m.second->weight.same_storage(m.first->weight));
+  };
+  // torch's state dict: the tied tensor under both names.
+  m.load_state_dict({{"first.weight", w}, {"second.weight", w}, {"first.bias", b1}, {"second.bias", b2}});
+  check_loaded(0.5);
+  // Under the second name alone.
+  m.load_state_dict({{"second.weight", full({4, 3}, 0.25)}, {"first.bias", b1}, {"second.bias", b2}});
+  check_loaded(0.25);
+  check_close(m.second->bias, b2, 0, 0, "second.bias");
+  // Under neither: strict mode names both.
+  check_throws_with([&] { m.load_state_dict({{"first.bias", b1}, {"second.bias", b2}}); },
+                    "missing key 'first.weight' or 'second.weight'");
+  m.load_state_dict({{"first.bias", b1}, {"second.bias", b2}}, LoadMode::NonStrict);
+  check_loaded(0.25);
+  // A wrong shape under the second name is named by it.
+  check_throws_with([&] {
+    m.load_state_dict({{"second.weight", zeros({3, 4})}, {"first.bias", b1}, {"second.bias", b2}});
+  }, "'second.weight' has shape (3, 4), the model expects (4, 3)");
+  check_throws_with([&] {
+    m.load_state_dict({{"first.weight", w}, {"first.bias", b1}, {"second.bias", b2}, {"third.weight", w}});
+  }, "unexpected key 'third.weight'");
+}
+
 TEST_CASE("CNN and GPT forward shapes, losses near log(classes) at init") {
   manual_seed(0);
   CNN cnn({.channels1 = 4, .channels2 = 8, .hidden = 16});
