@@ -34,7 +34,8 @@
 #   planner        benchmarks/planner_cuda.sh           -> OUTDIR/planner.json
 #   racecheck      compute-sanitizer racecheck and synccheck on one training step of the bf16 tiny
 #                  GPT (the tensor-core attention's shared tiles and barriers, the row kernels'
-#                  block reductions)
+#                  block reductions); optional: run only when the time is there after the planner,
+#                  else skipped, saying so, without counting as not started
 #   compare        benchmarks/compare.py: the table of ratios and the targets -> OUTDIR/compare.json,
 #                  and its plots -> OUTDIR/plots/*.svg
 #
@@ -46,7 +47,8 @@
 # cuts time boxes short so that the comparison keeps 15 s (the planner and the comparison 105 s while
 # the tests and memcheck run). On a machine without a GPU the GPU stages are skipped, saying so.
 # Exit status: 1 when a stage failed or timed out; 2 when none did but some were not started for
-# lack of time, or at once for a setting below that it cannot use; 0 otherwise.
+# lack of time (racecheck, the optional one, aside), or at once for a setting below that it cannot
+# use; 0 otherwise.
 #
 # Environment:
 #   MB_GPU_CHECK_SECONDS  the deadline in seconds (default 480)
@@ -667,6 +669,10 @@ gpu_stage planner && ready planner microbatch &&
 if gpu_stage racecheck && ready racecheck microbatch; then
   if [[ -z "$SANITIZER" ]]; then
     skip_stage racecheck "compute-sanitizer not found"
+  elif ((DEADLINE - $(date +%s) - RESERVE - KEEP < 20)); then
+    # The one optional stage: no time is kept for it, and a check without it is complete (exit
+    # status 0 when all else passed).
+    skip_stage racecheck "no time left for it after the planner (it needs 20s)"
   else
     # The bf16 tiny GPT of the memcheck stage, one step: racecheck finds shared-memory hazards (a
     # tile read before every warp wrote it, or rewritten while one still reads it), synccheck a

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include <zlib.h>
 
@@ -51,7 +52,8 @@ const char* idx_type_name(std::uint8_t type) {
 // corrupt block or a wrong CRC is an error naming how far the data got.
 class GzReader {
  public:
-  explicit GzReader(const std::string& path) : path_(path), file_(std::fopen(path.c_str(), "rb")) {
+  explicit GzReader(const std::string& path)
+      : path_(path), file_(std::fopen(path.c_str(), "rb")) {
     MB_CHECK(file_ != nullptr, "[FashionMNIST] cannot open {}: {}", path, std::strerror(errno));
     in_.resize(kRawChunk);
     while (avail_ < 2 && refill()) {
@@ -65,7 +67,6 @@ class GzReader {
   }
   ~GzReader() {
     if (format_ == Format::Gzip) inflateEnd(&z_);
-    std::fclose(file_);
   }
   GzReader(const GzReader&) = delete;
   GzReader& operator=(const GzReader&) = delete;
@@ -88,8 +89,8 @@ class GzReader {
   bool refill() {
     std::memmove(in_.data(), in_.data() + pos_, avail_);
     pos_ = 0;
-    const std::size_t got = std::fread(in_.data() + avail_, 1, in_.size() - avail_, file_);
-    MB_CHECK(!std::ferror(file_), "[FashionMNIST] {}: read failed after {} bytes: {}", path_,
+    const std::size_t got = std::fread(in_.data() + avail_, 1, in_.size() - avail_, file_.get());
+    MB_CHECK(!std::ferror(file_.get()), "[FashionMNIST] {}: read failed after {} bytes: {}", path_,
              offset_, std::strerror(errno));
     avail_ += got;
     return got > 0;
@@ -110,7 +111,7 @@ class GzReader {
 
   // The file offset of the next unread byte.
   std::uint64_t raw_offset() const {
-    return static_cast<std::uint64_t>(std::ftell(file_)) - avail_;
+    return static_cast<std::uint64_t>(std::ftell(file_.get())) - avail_;
   }
 
   std::size_t inflate_into(void* dst, std::size_t n) {
@@ -164,7 +165,10 @@ class GzReader {
   }
 
   std::string path_;
-  std::FILE* file_;
+  struct Close {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+  std::unique_ptr<std::FILE, Close> file_;  // closed however the reader ends
   std::vector<unsigned char> in_;  // raw bytes read from the file: [pos_, pos_ + avail_) unread
   std::size_t pos_ = 0;
   std::size_t avail_ = 0;

@@ -77,25 +77,35 @@ MemoryPlan Trainer::make_plan() { return plan_training(model_init_, args_, train
 
 namespace {
 
-// The first setting in which a checkpoint's model architecture (Model::architecture) and this
-// model's differ, as "n_head = 2 in the checkpoint, 4 here"; nullopt when they agree.
+// A setting of a model architecture for a message: a short list of numbers (an MLP's hidden
+// widths) in full, anything else as shown_json shows a value of an untrusted file.
+std::string shown_setting(const nlohmann::json& v) {
+  const bool short_numbers = v.is_array() && v.size() <= 16 &&
+                             std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) {
+                               return e.is_number();
+                             });
+  return short_numbers ? v.dump() : shown_json(v);
+}
+
+// The first setting in which a checkpoint's model architecture (Model::architecture, a JSON
+// object) and this model's differ, as "n_head = 2 in the checkpoint, 4 here"; nullopt when they
+// agree.
 std::optional<std::string> first_difference(const nlohmann::json& saved, const nlohmann::json& now) {
-  if (!saved.is_object()) return fmt::format("its 'model' is {}, not a JSON object", shown_json(saved));
   // The kind first: another kind differs in every setting.
   if (saved.contains("model") && now.contains("model") && saved.at("model") != now.at("model"))
-    return fmt::format("model = {} in the checkpoint, {} here", shown_json(saved.at("model")),
-                       shown_json(now.at("model")));
+    return fmt::format("model = {} in the checkpoint, {} here", shown_setting(saved.at("model")),
+                       shown_setting(now.at("model")));
   for (const auto& [key, value] : now.items()) {
     if (!saved.contains(key))
-      return fmt::format("no {} in the checkpoint, {} here", key, shown_json(value));
+      return fmt::format("no {} in the checkpoint, {} here", key, shown_setting(value));
     if (saved.at(key) != value)
-      return fmt::format("{} = {} in the checkpoint, {} here", key, shown_json(saved.at(key)),
-                         shown_json(value));
+      return fmt::format("{} = {} in the checkpoint, {} here", key, shown_setting(saved.at(key)),
+                         shown_setting(value));
   }
   for (const auto& [key, value] : saved.items()) {
     if (!now.contains(key))
       return fmt::format("{} = {} in the checkpoint, which this model does not have", key,
-                         shown_json(value));
+                         shown_setting(value));
   }
   return std::nullopt;
 }
@@ -314,6 +324,9 @@ TrainOutput Trainer::train() {
     }
     // The weights' shapes are checked as they load; what they do not show (GPT's n_head) is in
     // the model's architecture, compared where the checkpoint and the model both record one.
+    MB_CHECK(!st.contains("model") || st.at("model").is_object(),
+             "[Trainer] {}: 'model' must be a JSON object, got {}", state_file,
+             shown_json(st.at("model")));
     if (st.contains("model") && !architecture.is_null()) {
       const std::optional<std::string> differs = first_difference(st.at("model"), architecture);
       MB_CHECK(!differs.has_value(),

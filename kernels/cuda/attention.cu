@@ -26,6 +26,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "kernels/attention.h"
@@ -502,11 +504,29 @@ AttentionKernel& kernel_choice() {
   return choice;
 }
 
-// The tensor-core kernels' mma.sync m16n8k16 needs sm_80 or later (their body is a trap in a
-// build for an older architecture): an older device takes the f32-math kernels, whatever the
-// setting.
+// Whether the tensor-core kernels run here: their mma.sync m16n8k16 needs a device of sm_80 or
+// later, running code compiled for sm_80 or later. A build for "75;90" has neither binary for an
+// sm_86 device, and the driver compiles the compute_75 code for it, where those bodies are traps:
+// the PTX version of the kernel the driver loads tells (cached per device).
+bool tensor_cores_here() {
+  if (compute_capability() < kTcMinCapability) return false;
+  static std::mutex mutex;
+  static std::map<int, bool> by_device;
+  int device = 0;
+  MB_CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  auto it = by_device.find(device);
+  if (it == by_device.end()) {
+    cudaFuncAttributes attr{};
+    MB_CUDA_CHECK(cudaFuncGetAttributes(&attr, tc_forward_kernel<bf16, 64>));
+    it = by_device.emplace(device, attr.ptxVersion >= kTcMinCapability).first;
+  }
+  return it->second;
+}
+
+// f16 and bf16 take the tensor-core kernels where they run, unless MB_ATTENTION_KERNEL=simt.
 bool use_tensor_cores() {
-  return kernel_choice() == AttentionKernel::tensor && compute_capability() >= kTcMinCapability;
+  return kernel_choice() == AttentionKernel::tensor && tensor_cores_here();
 }
 
 // Whether view x can be copied to shared memory 16 bytes at a time by tc::load_tile: rows of

@@ -381,6 +381,25 @@ TEST_CASE("tensor-core attention, emulated on the CPU: D = 128 and D = 32 geomet
   check_case<bf16, 32, 2>(Case{1, 1, 200, 200, 32, true}, kTolBf16);
 }
 
+TEST_CASE("attention tiles: under a causal mask each head's blocks take the longest walks first") {
+  // Query tile i walks the keys below (i + 1) rows (forward, dq); key tile j the queries from its
+  // first row on (dk, dv). Numbered as the grid starts them, each head's walks only shorten.
+  constexpr std::int64_t rows = 64, tiles = 5, t = rows * tiles;
+  for (std::int64_t head = 0; head < 3; ++head) {
+    std::int64_t last_queries = t + 1, last_keys = t + 1;
+    for (std::int64_t k = 0; k < tiles; ++k) {
+      const std::int64_t block = head * tiles + k;
+      const std::int64_t i = tc::tile_of(block, tiles, tc::TileOrder::LastFirst);
+      const std::int64_t j = tc::tile_of(block, tiles, tc::TileOrder::FirstFirst);
+      const std::int64_t keys_walked = (i + 1) * rows, queries_walked = t - j * rows;
+      CHECK(keys_walked < last_keys);
+      CHECK(queries_walked < last_queries);
+      last_keys = keys_walked;
+      last_queries = queries_walked;
+    }
+  }
+}
+
 TEST_CASE("attention tiles: sees_all holds exactly when every pair of the tile is visible") {
   // The kernels skip the per-element mask on tiles sees_all() accepts; it must never accept a
   // tile with a masked or out-of-range pair, and it accepts the tiles below the diagonal.

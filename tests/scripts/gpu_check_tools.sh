@@ -341,6 +341,11 @@ stub_check races2 PATH="$WORK/races/bin:$WORK/bin:$PATH" MB_GPU_CHECK_STAGES="ra
 check "a hazard fails the stage" stage_status races2 racecheck fail
 check "and is counted" json "$WORK/races2/results.json" \
   'j["stages"]["racecheck"]["figures"]["racecheck"]["errors"] == 2'
+# Without the time for it, the optional stage is skipped and the check is still complete.
+stub_check racetime PATH="$WORK/races/bin:$WORK/bin:$PATH" MB_GPU_CHECK_STAGES="racecheck" MB_GPU_CHECK_SECONDS=30
+check "racecheck without the time for it is skipped, saying so" json "$WORK/racetime/results.json" \
+  'j["stages"]["racecheck"]["status"] == "skip" and "no time left" in j["stages"]["racecheck"]["message"]'
+check "and the check exits 0 (got $(cat "$WORK/racetime.rc"))" test "$(cat "$WORK/racetime.rc")" -eq 0
 
 # The planner: a run within its budget whose prediction is 20% off fails the stage.
 MB_PLANNER_SECONDS=20 FAKE_PREDICTED=1000 FAKE_MEASURED=1250 PYTHON="$PY" \

@@ -263,7 +263,7 @@ TEST_CASE("Trainer: resuming refuses a model whose weights would mean something 
   };
   run(gpt(2, -100), a);
   const nlohmann::json saved = load_checkpoint((dir.path / "checkpoint-2").string()).trainer_state;
-  CHECK(saved["model"] == nlohmann::json{{"model", "gpt"}, {"vocab_size", 13}, {"block_size", 16},
+  CHECK(saved.at("model") == nlohmann::json{{"model", "gpt"}, {"vocab_size", 13}, {"block_size", 16},
                                          {"n_layer", 1}, {"n_head", 2}, {"n_embd", 16},
                                          {"ignore_index", -100}});
   a.max_steps = 4;
@@ -351,6 +351,12 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   check_throws_with([&] { resume_with("epoch", 1.5); }, "'epoch' must be a whole number >= 0, got 1.5");
   check_throws_with([&] { resume_with("scheduler_steps", 100); }, "100 schedule steps and 0 skipped steps in 2");
   check_throws_with([&] { resume_with("args", nlohmann::json::array({1})); }, "'args' must be a JSON object");
+  check_throws_with([&] { resume_with("model", "mlp"); }, "'model' must be a JSON object, got \"mlp\"");
+  // An architecture's list of widths is shown whole.
+  nlohmann::json other = good.trainer_state.at("model");
+  other["hidden"] = {64, 16};
+  check_throws_with([&] { resume_with("model", other); },
+                    "another model: hidden = [64,16] in the checkpoint, [64,32] here");
   check_throws_with([&] { resume_with("loss_sum", "nan"); },
                     "'loss_sum' must be a number, or \"NaN\", \"Infinity\" or \"-Infinity\"");
   check_throws_with([&] { resume_with("logged_step", 3); },
