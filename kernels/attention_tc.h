@@ -10,6 +10,7 @@
 //                                     f32 accumulation)
 //   void ldmatrix<trans>(r[4], row)   one warp-wide ldmatrix.m8n8.x4 (.trans) from shared memory
 //                                     (Note [MMA fragments])
+//   void load16(w[4], p)              one 16-byte load from global memory (p 16-byte aligned)
 // Every call is made by all threads of the block (or all lanes of the warp) together.
 //
 // Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward
@@ -224,6 +225,15 @@ struct TileRegs {
   TcPiece piece[kPieces];
 };
 
+/// Whether fetch_tile may read a head layout's rows 16 bytes at a time (its `vec`): rows of
+/// exactly kd 16-bit elements (kd a multiple of 8), every one starting on a 16-byte boundary, as
+/// the data's address and every row, head and batch stride in elements being a multiple of 8 make
+/// them. GPT's q, k and v, views of one (B, T, 3C) buffer at offsets 0, C and 2C, qualify.
+inline bool vector_rows(const void* data, const HeadStrides& hs, std::int64_t d, int kd) {
+  return d == kd && kd % 8 == 0 && reinterpret_cast<std::uintptr_t>(data) % 16 == 0 &&
+         hs.row % 8 == 0 && hs.batch % 8 == 0 && hs.head % 8 == 0;
+}
+
 /// regs = rows first .. first + kRows - 1 of src, columns 0 .. kD - 1; zero past `rows` or `d`.
 /// `vec`: the rows are exactly kD long and 16-byte aligned, so a piece is one 16-byte load.
 template <int kD, int kRows, class T, class Ctx>
@@ -239,12 +249,7 @@ MB_TC_FN void fetch_tile(Ctx& ctx, TileRegs<kD, kRows>& regs, const T* src,
     TcPiece& out = regs.piece[k];
     const T* in = src + row * row_stride + c;
     if (vec && row < rows) {
-#if defined(__CUDA_ARCH__)
-      const uint4 u = *reinterpret_cast<const uint4*>(in);
-      out = {{u.x, u.y, u.z, u.w}};
-#else
-      std::memcpy(out.w, in, 16);
-#endif
+      ctx.load16(out.w, in);
     } else {
       MB_TC_UNROLL
       for (int e = 0; e < 4; ++e) {

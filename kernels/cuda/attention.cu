@@ -385,6 +385,13 @@ struct DeviceContext {
     __trap();
 #endif
   }
+  __device__ void load16(std::uint32_t (&w)[4], const void* p) const {
+    const uint4 u = *static_cast<const uint4*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
+    w[2] = u.z;
+    w[3] = u.w;
+  }
   template <class T>
   __device__ void mma(tc::TcAcc& c, const tc::TcA& a, const tc::TcB& b) const {
 #if !MB_TC_ARCH
@@ -529,12 +536,9 @@ bool use_tensor_cores() {
   return kernel_choice() == AttentionKernel::tensor && tensor_cores_here();
 }
 
-// Whether view x can be copied to shared memory 16 bytes at a time by tc::load_tile: rows of
-// exactly kD elements that start on 16-byte boundaries in every head.
+// Whether view x can be copied to shared memory 16 bytes at a time (tc::vector_rows).
 bool vector_rows(const StridedView& x, std::int64_t d, int kd) {
-  const HeadStrides hs = head_strides(x);
-  return d == kd && reinterpret_cast<std::uintptr_t>(x.data) % 16 == 0 && hs.row % 8 == 0 &&
-         hs.batch % 8 == 0 && hs.head % 8 == 0;
+  return tc::vector_rows(x.data, head_strides(x), d, kd);
 }
 
 // The tensor-core kernels' operands: p, dout for the backward, which operands load 16 bytes at a

@@ -10,6 +10,7 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <thread>
@@ -39,6 +40,9 @@ struct EmulatedBlock {
   // byte offset of the first such (run_grid checks that there are none).
   std::atomic<int> bad_rows{0};
   std::atomic<std::int64_t> first_bad_row{0};
+  // 16-byte global loads from an address that is not 16-byte aligned (run_grid checks that there
+  // are none: the GPU would fault on one).
+  std::atomic<int> bad_loads{0};
 
   explicit EmulatedBlock(int shared_halves) : smem(shared_halves, 0xffff) {
     for (int w = 0; w < tc::kTcWarps; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
@@ -84,6 +88,11 @@ class EmulatedThread {
       r[i] = tc::pack_pair(lo, hi);
     }
     warp_sync();
+  }
+
+  void load16(std::uint32_t (&w)[4], const void* p) {
+    if (reinterpret_cast<std::uintptr_t>(p) % 16 != 0) block_->bad_loads.fetch_add(1);
+    std::memcpy(w, p, 16);
   }
 
   template <class T>
@@ -153,6 +162,8 @@ void run_grid(std::int64_t blocks, Body body) {
                   << " ldmatrix rows misaligned or outside shared memory, the first at byte offset "
                   << shared.first_bad_row.load());
     REQUIRE(shared.bad_rows.load() == 0);
+    INFO("block " << blk << ": " << shared.bad_loads.load() << " misaligned 16-byte global loads");
+    REQUIRE(shared.bad_loads.load() == 0);
   }
 }
 
@@ -232,7 +243,10 @@ void check_case(const Case& c, double tol) {
   const std::int64_t heads = c.b * c.h;
   constexpr std::int64_t kRows = tc::TcGeometry<kD, kM>::kBlockRows;
   const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-  auto vec = [&](const Layout& l) { return l.d == kD && l.strides().row % 8 == 0; };
+  // The launch's own rule (tc::vector_rows), on these buffers' addresses.
+  auto vec = [&](const std::vector<T>& x, const Layout& l) {
+    return tc::vector_rows(x.data(), l.strides(), l.d, kD);
+  };
 
   tc::TcOperands<T> p{kernels::AttentionOperands<T>{.q = q.data(),
                                                    .k = k.data(),
@@ -251,8 +265,10 @@ void check_case(const Case& c, double tol) {
   p.dks = p.dvs = kl.strides();
   p.dout = dout.data();
   p.dos = ql.strides();
-  p.vec_q = p.vec_dout = vec(ql);
-  p.vec_k = p.vec_v = vec(kl);
+  p.vec_q = vec(q, ql);
+  p.vec_dout = vec(dout, ql);
+  p.vec_k = vec(k, kl);
+  p.vec_v = vec(v, kl);
   p.tiles = (c.t + kRows - 1) / kRows;
 
   // Forward: out laid out as q, lse contiguous (B * H, T).
@@ -379,6 +395,24 @@ TEST_CASE("tensor-core attention, emulated on the CPU: D = 128 and D = 32 geomet
   // Long enough for tiles wholly below the diagonal, which skip the per-element mask.
   check_case<bf16, 128, 1>(Case{1, 1, 200, 200, 128, true}, kTolBf16);
   check_case<bf16, 32, 2>(Case{1, 1, 200, 200, 32, true}, kTolBf16);
+}
+
+TEST_CASE("attention tiles: 16-byte row loads only where every row starts on a 16-byte boundary") {
+  alignas(16) static std::uint16_t buffer[64];
+  const void* aligned = buffer;
+  const void* off_by_one = buffer + 1;  // 2 bytes past a boundary
+  // GPT-2's q, k and v: (B, T, 3C) with C = 12 * 64, heads of 64 inside a row, at offsets 0, C, 2C.
+  const HeadStrides gpt{.heads = 12, .batch = 1024 * 2304, .head = 64, .row = 2304};
+  CHECK(tc::vector_rows(aligned, gpt, 64, 64));
+  const auto k_view = reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(buffer) + 768 * 2);
+  CHECK(tc::vector_rows(k_view, gpt, 64, 64));  // the k view: 768 elements on
+  CHECK_FALSE(tc::vector_rows(off_by_one, gpt, 64, 64));
+  CHECK_FALSE(tc::vector_rows(aligned, gpt, 40, 64));  // rows shorter than the tile: zero padded
+  CHECK_FALSE(tc::vector_rows(aligned, {.heads = 2, .batch = 2 * 7 * 60, .head = 60, .row = 120},
+                              64, 64));                           // d = 60 heads inside rows
+  CHECK_FALSE(tc::vector_rows(aligned, {.heads = 1, .batch = 3 * 68, .row = 68}, 64, 64));
+  CHECK_FALSE(tc::vector_rows(aligned, {.heads = 3, .batch = 1, .head = 3 * 64, .row = 64}, 64, 64));
+  CHECK(tc::vector_rows(aligned, {.heads = 3, .batch = 3 * 9 * 32, .head = 9 * 32, .row = 32}, 32, 32));
 }
 
 TEST_CASE("attention tiles: under a causal mask each head's blocks take the longest walks first") {
