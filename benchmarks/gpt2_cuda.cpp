@@ -110,12 +110,14 @@ Tensor synthetic_tokens(std::int64_t batch, std::int64_t t, std::int64_t vocab,
 }
 
 // Which attention kernel the steps ran: the fused CUDA ones (tensor cores for bf16 unless
-// MB_ATTENTION_KERNEL=simt) or the composed CPU path.
+// MB_ATTENTION_KERNEL=simt, or where they cannot run) or the composed CPU path.
 const char* attention_kernel_name(mb::Device dev) {
   if (!dev.is_cuda()) return "composed (CPU)";
-  return mb::kernels::cuda::attention_kernel() == mb::kernels::cuda::AttentionKernel::simt
-             ? "fused, f32 math (MB_ATTENTION_KERNEL=simt)"
-             : "fused, tensor cores";
+  if (mb::kernels::cuda::attention_kernel() == mb::kernels::cuda::AttentionKernel::simt)
+    return "fused, f32 math (MB_ATTENTION_KERNEL=simt)";
+  return mb::kernels::cuda::tensor_core_attention_here()
+             ? "fused, tensor cores"
+             : "fused, f32 math (no tensor-core attention on this device)";
 }
 
 struct Run {

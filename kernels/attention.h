@@ -45,6 +45,10 @@ namespace cuda {
 enum class AttentionKernel { tensor, simt };
 AttentionKernel attention_kernel();
 void set_attention_kernel(AttentionKernel kernel);
+/// Whether the tensor-core kernels run on the current device: sm_80 or later, running code
+/// compiled for sm_80 or later (where not, f16 and bf16 take the f32-math kernels whatever the
+/// setting). False in a build without CUDA.
+bool tensor_core_attention_here();
 
 /// out = softmax(q k^T * scale, causal mask) v and lse[bh, i] = log(sum_j exp(scale * q_i . k_j))
 /// over the keys query i sees. q (B, H, T, D) or (B, T, D); k, v (.., S, D); each with unit stride

@@ -25,7 +25,8 @@ void Module::collect(const std::string& prefix, bool params,
                      std::vector<std::pair<std::string, Tensor*>>& out,
                      std::vector<const Tensor*>& seen) const {
   for (const auto& [name, slot] : params ? params_ : buffers_) {
-    // A tied parameter (the GPT's embedding and head) is listed once, under its first name.
+    // A tied parameter (one tensor registered under several names) is listed once, under its
+    // first name.
     if (std::find(seen.begin(), seen.end(), slot) != seen.end()) continue;
     const bool same_impl = std::any_of(seen.begin(), seen.end(), [&](const Tensor* s) {
       return s->defined() && slot->defined() && s->impl() == slot->impl();

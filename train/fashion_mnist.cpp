@@ -90,8 +90,8 @@ class GzReader {
     std::memmove(in_.data(), in_.data() + pos_, avail_);
     pos_ = 0;
     const std::size_t got = std::fread(in_.data() + avail_, 1, in_.size() - avail_, file_.get());
-    MB_CHECK(!std::ferror(file_.get()), "[FashionMNIST] {}: read failed after {} bytes: {}", path_,
-             offset_, std::strerror(errno));
+    MB_CHECK(!std::ferror(file_.get()), "[FashionMNIST] {}: read failed at byte {} of the file: {}",
+             path_, std::ftell(file_.get()), std::strerror(errno));
     avail_ += got;
     return got > 0;
   }
@@ -136,7 +136,8 @@ class GzReader {
         after_member();
         continue;
       }
-      // Z_BUF_ERROR: no progress until more input arrives, which the next turn reads.
+      // Z_BUF_ERROR (no progress without more input) cannot come with input left and room to
+      // write; it is let through only where the next turn reads more input.
       MB_CHECK(rc == Z_OK || (rc == Z_BUF_ERROR && avail_ == 0),
                "[FashionMNIST] {}: read failed after {} bytes: {}", path_, offset_ + total,
                z_.msg != nullptr ? z_.msg : zError(rc));

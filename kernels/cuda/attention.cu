@@ -351,8 +351,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 // ---- tensor-core kernels (f16, bf16) -----------------------------------------------------------
 
-// The oldest architecture with the MMA shape below (and ldmatrix): Ampere. A build that also
-// targets older ones compiles the two for them as traps, which use_tensor_cores never reaches.
+// The oldest architecture with the MMA shape below: Ampere (ldmatrix is Turing's). A build that
+// also targets older ones compiles both for them as traps, which use_tensor_cores never reaches.
 constexpr int kTcMinCapability = 80;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #define MB_TC_ARCH 0
@@ -414,6 +414,7 @@ struct DeviceContext {
 #endif
   }
 };
+#undef MB_TC_ARCH
 
 template <class T, int kD>
 __global__ void __launch_bounds__(tc::kTcThreads)
@@ -609,6 +610,8 @@ void check_rows(const char* op, const StridedView& x, const StridedView& like, D
 }  // namespace
 
 AttentionKernel attention_kernel() { return kernel_choice(); }
+
+bool tensor_core_attention_here() { return tensor_cores_here(); }
 
 void set_attention_kernel(AttentionKernel kernel) { kernel_choice() = kernel; }
 

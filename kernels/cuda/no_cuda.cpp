@@ -66,6 +66,7 @@ AttentionKernel g_attention_kernel = AttentionKernel::tensor;
 }  // namespace
 AttentionKernel attention_kernel() { return g_attention_kernel; }
 void set_attention_kernel(AttentionKernel kernel) { g_attention_kernel = kernel; }
+bool tensor_core_attention_here() { return false; }
 void attention_forward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_forward"); }
 void attention_backward(const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, const StridedView&, AttentionArgs) { no_cuda("cuda::attention_backward"); }
 
