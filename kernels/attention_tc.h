@@ -11,6 +11,12 @@
 //   void ldmatrix<trans>(r[4], row)   one warp-wide ldmatrix.m8n8.x4 (.trans) from shared memory
 //                                     (Note [MMA fragments])
 //   void load16(w[4], p)              one 16-byte load from global memory (p 16-byte aligned)
+//   void store_shared16(p, w[4])      one 16-byte store to shared memory (p 16-byte aligned)
+//   void store_shared(float* p, v)    one f32 store to shared memory, and
+//   float load_shared(const float* p) one f32 load from it
+// Every access to shared memory goes through the context, so that the CPU emulation can check
+// that the barriers order them (no thread reads or writes what another wrote, or writes what
+// another read, between the same two barriers).
 // Every call is made by all threads of the block (or all lanes of the warp) together.
 //
 // Note [Tensor-core attention]: a block of 4 warps owns kBlockRows rows (queries in the forward
@@ -269,12 +275,7 @@ MB_TC_FN void store_tile(Ctx& ctx, std::uint16_t* tile, const TileRegs<kD, kRows
   for (int k = 0; k < TileRegs<kD, kRows>::kPieces; ++k) {
     const int idx = ctx.thread() + k * kTcThreads;
     std::uint16_t* out = tile + (idx / kPerRow) * (kD + kSkew) + (idx % kPerRow) * 8;
-    const TcPiece& piece = regs.piece[k];
-#if defined(__CUDA_ARCH__)
-    *reinterpret_cast<uint4*>(out) = make_uint4(piece.w[0], piece.w[1], piece.w[2], piece.w[3]);
-#else
-    std::memcpy(out, piece.w, 16);
-#endif
+    ctx.store_shared16(out, regs.piece[k].w);
   }
 }
 
@@ -550,8 +551,8 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
     store_tile(ctx, q_s, q_next);
     store_tile(ctx, do_s, do_next);
     if (ctx.thread() < G::kCols) {
-      lse_s[ctx.thread()] = lse_next;
-      delta_s[ctx.thread()] = delta_next;
+      ctx.store_shared(lse_s + ctx.thread(), lse_next);
+      ctx.store_shared(delta_s + ctx.thread(), delta_next);
     }
     ctx.sync();  // the tiles (and, on the first pass, k_s and v_s) are in place
     if (i0 + G::kCols < p.t) fetch(i0 + G::kCols);
@@ -569,8 +570,9 @@ MB_TC_FN void tc_dkdv_block(Ctx& ctx, const TcOperands<T>& p, const float* lse,
           const int c = nt * 8 + 2 * t + (e & 1);
           const std::int64_t j = j0 + r0 + 16 * mi + g + 8 * (e >> 1);
           const bool seen = full || p.visible(i0 + c, j);
-          const float pr = seen ? exp2f(st[mi][nt].x[e] * scale2 - lse_s[c]) : 0.0f;
-          dpt[mi][nt].x[e] = seen ? pr * (dpt[mi][nt].x[e] - delta_s[c]) : 0.0f;
+          const float pr =
+              seen ? exp2f(st[mi][nt].x[e] * scale2 - ctx.load_shared(lse_s + c)) : 0.0f;
+          dpt[mi][nt].x[e] = seen ? pr * (dpt[mi][nt].x[e] - ctx.load_shared(delta_s + c)) : 0.0f;
           st[mi][nt].x[e] = pr;
         }
       }

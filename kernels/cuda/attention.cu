@@ -385,6 +385,11 @@ struct DeviceContext {
     __trap();
 #endif
   }
+  __device__ void store_shared16(std::uint16_t* p, const std::uint32_t (&w)[4]) const {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  __device__ void store_shared(float* p, float v) const { *p = v; }
+  __device__ float load_shared(const float* p) const { return *p; }
   __device__ void load16(std::uint32_t (&w)[4], const void* p) const {
     const uint4 u = *static_cast<const uint4*>(p);
     w[0] = u.x;

@@ -4,7 +4,9 @@
 // fragment registers by the documented layout, independently of how the kernels load them. The
 // block bodies are the very code the GPU runs, so these cases check their tiling, masking, online
 // softmax, prefetching, fragment loads and operand layouts against attention computed in f64 from
-// the same 16-bit inputs. They cannot check the hardware itself; the CUDA parity cases in
+// the same 16-bit inputs; and, as compute-sanitizer's racecheck would, that every
+// shared-memory access is ordered by the barriers (Note [Emulated racecheck]) and every 16-byte
+// load aligned. They cannot check the hardware itself; the CUDA parity cases in
 // test_cuda_attention.cpp and test_cuda_nn.cpp do that where a GPU is present.
 #include <atomic>
 #include <barrier>
@@ -43,8 +45,19 @@ struct EmulatedBlock {
   // 16-byte global loads from an address that is not 16-byte aligned (run_grid checks that there
   // are none: the GPU would fault on one).
   std::atomic<int> bad_loads{0};
+  // Note [Emulated racecheck]: per 16-bit word of shared memory, the last write and the reads
+  // since, each tagged (epoch << 8) | (thread + 1), the epoch counting the block's barriers
+  // (kManyReaders for reads by several threads in one epoch). An access by a thread in the epoch
+  // of another thread's write, or a write in the epoch of another thread's read, is a hazard: the
+  // barriers do not order the two. Each access publishes its own tag before it reads the other
+  // kind (sequentially consistent atomics), so of two racing accesses at least one sees the other.
+  static constexpr std::uint32_t kManyReaders = 0xFF;
+  std::vector<std::atomic<std::uint32_t>> written, read;
+  std::atomic<int> hazards{0};
+  std::atomic<std::int64_t> first_hazard{-1};  // its byte offset in shared memory
 
-  explicit EmulatedBlock(int shared_halves) : smem(shared_halves, 0xffff) {
+  explicit EmulatedBlock(int shared_halves)
+      : smem(shared_halves, 0xffff), written(shared_halves), read(shared_halves) {
     for (int w = 0; w < tc::kTcWarps; ++w) warps.push_back(std::make_unique<std::barrier<>>(32));
   }
 };
@@ -62,7 +75,10 @@ class EmulatedThread {
   EmulatedThread(EmulatedBlock* block, int thread) : block_(block), thread_(thread) {}
 
   int thread() const { return thread_; }
-  void sync() { block_->block.arrive_and_wait(); }
+  void sync() {
+    block_->block.arrive_and_wait();
+    ++epoch_;
+  }
 
   float shfl_xor(float v, int mask) {
     block_->lanes[warp()][lane()] = v;
@@ -77,6 +93,7 @@ class EmulatedThread {
   template <bool kTrans>
   void ldmatrix(std::uint32_t (&r)[4], const std::uint16_t* row) {
     check_row(row);
+    for (int k = 0; k < 8; ++k) shared_read(row + k);
     block_->rows[warp()][lane()] = row;
     warp_sync();
     const int l = lane();
@@ -88,6 +105,25 @@ class EmulatedThread {
       r[i] = tc::pack_pair(lo, hi);
     }
     warp_sync();
+  }
+
+  void store_shared16(std::uint16_t* p, const std::uint32_t (&w)[4]) {
+    for (int k = 0; k < 8; ++k) shared_write(p + k);
+    std::memcpy(p, w, 16);
+  }
+  void store_shared(float* p, float v) {
+    const auto* words = reinterpret_cast<const std::uint16_t*>(p);
+    shared_write(words);
+    shared_write(words + 1);
+    std::memcpy(p, &v, 4);
+  }
+  float load_shared(const float* p) {
+    const auto* words = reinterpret_cast<const std::uint16_t*>(p);
+    shared_read(words);
+    shared_read(words + 1);
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
   }
 
   void load16(std::uint32_t (&w)[4], const void* p) {
@@ -141,9 +177,65 @@ class EmulatedThread {
     return half_of<T>(block_->b[warp()][holder].r[k >= 8 ? 1 : 0], k % 2);
   }
 
+  // Note [Emulated racecheck].
+  std::uint32_t tag() const { return (epoch_ << 8) | static_cast<std::uint32_t>(thread_ + 1); }
+  std::size_t word_of(const std::uint16_t* p) const {
+    const auto index = p - block_->smem.data();
+    if (index < 0 || index >= static_cast<std::ptrdiff_t>(block_->smem.size())) {
+      // Outside shared memory: counted as a hazard at a negative offset.
+      hazard(-1);
+      return block_->smem.size();
+    }
+    return static_cast<std::size_t>(index);
+  }
+  void hazard(std::int64_t word) const {
+    if (block_->hazards.fetch_add(1) == 0) block_->first_hazard = 2 * word;
+  }
+  // Whether `other`, a tag of this epoch, is another thread's.
+  bool foreign(std::uint32_t other) const {
+    return other != 0 && (other >> 8) == epoch_ &&
+           (other & 0xFF) != static_cast<std::uint32_t>(thread_ + 1);
+  }
+  void shared_read(const std::uint16_t* p) {
+    const std::size_t w = word_of(p);
+    if (w == block_->smem.size()) return;
+    std::atomic<std::uint32_t>& readers = block_->read[w];
+    std::uint32_t seen = readers.load();
+    for (;;) {
+      std::uint32_t next = tag();
+      if (seen != 0 && (seen >> 8) == epoch_ && seen != tag())
+        next = (epoch_ << 8) | EmulatedBlock::kManyReaders;
+      if (seen == next || readers.compare_exchange_weak(seen, next)) break;
+    }
+    if (foreign(block_->written[w].load())) hazard(static_cast<std::int64_t>(w));
+  }
+  void shared_write(const std::uint16_t* p) {
+    const std::size_t w = word_of(p);
+    if (w == block_->smem.size()) return;
+    const std::uint32_t before = block_->written[w].exchange(tag());
+    if (foreign(before) || foreign(block_->read[w].load())) hazard(static_cast<std::int64_t>(w));
+  }
+
   EmulatedBlock* block_;
   int thread_;
+  std::uint32_t epoch_ = 0;  // barriers passed
 };
+
+// Runs body(ctx, smem) on one block of 128 threads over `halves` words of shared memory; returns
+// the hazards the emulation saw (Note [Emulated racecheck]).
+template <class Body>
+int block_hazards(int halves, Body body) {
+  EmulatedBlock shared(halves);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < tc::kTcThreads; ++i) {
+    threads.emplace_back([&, i] {
+      EmulatedThread ctx(&shared, i);
+      body(ctx, shared.smem.data());
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  return shared.hazards.load();
+}
 
 // Runs body(ctx, block, smem) for every block of the grid, 128 threads at a time.
 template <int kD, int kM, class Body>
@@ -164,6 +256,10 @@ void run_grid(std::int64_t blocks, Body body) {
     REQUIRE(shared.bad_rows.load() == 0);
     INFO("block " << blk << ": " << shared.bad_loads.load() << " misaligned 16-byte global loads");
     REQUIRE(shared.bad_loads.load() == 0);
+    INFO("block " << blk << ": " << shared.hazards.load()
+                  << " shared-memory accesses no barrier orders, the first at byte offset "
+                  << shared.first_hazard.load());
+    REQUIRE(shared.hazards.load() == 0);
   }
 }
 
@@ -370,6 +466,37 @@ constexpr double kTolBf16 = 1e-2;
 
 }  // namespace
 
+TEST_CASE("the emulation's racecheck sees what no barrier orders, and only that") {
+  // Each thread writes its own 16 bytes, then reads its neighbour's f32: ordered by a barrier, or
+  // not; a write over what another thread read in the same epoch; a thread's own words.
+  const int halves = tc::kTcThreads * 8;
+  const std::uint32_t words[4] = {1, 2, 3, 4};
+  auto neighbour = [](EmulatedThread& ctx, std::uint16_t* smem) {
+    return reinterpret_cast<const float*>(smem + 8 * ((ctx.thread() + 1) % tc::kTcThreads));
+  };
+  CHECK(block_hazards(halves, [&](EmulatedThread& ctx, std::uint16_t* smem) {
+          ctx.store_shared16(smem + 8 * ctx.thread(), words);
+          ctx.sync();
+          ctx.load_shared(neighbour(ctx, smem));
+        }) == 0);
+  CHECK(block_hazards(halves, [&](EmulatedThread& ctx, std::uint16_t* smem) {
+          ctx.store_shared16(smem + 8 * ctx.thread(), words);
+          ctx.load_shared(neighbour(ctx, smem));  // no barrier: read after another's write
+        }) > 0);
+  CHECK(block_hazards(halves, [&](EmulatedThread& ctx, std::uint16_t* smem) {
+          ctx.store_shared16(smem + 8 * ctx.thread(), words);
+          ctx.sync();
+          ctx.load_shared(neighbour(ctx, smem));
+          ctx.store_shared16(smem + 8 * ctx.thread(), words);  // over what a neighbour reads
+        }) > 0);
+  CHECK(block_hazards(halves, [&](EmulatedThread& ctx, std::uint16_t* smem) {
+          auto* own = reinterpret_cast<float*>(smem + 8 * ctx.thread());
+          ctx.store_shared(own, 1.0f);
+          ctx.load_shared(own);
+          ctx.store_shared(own, 2.0f);  // a thread's own words need no barrier
+        }) == 0);
+}
+
 TEST_CASE("tensor-core attention, emulated on the CPU: tiles, masks and layouts at D = 64") {
   for (const Case& c : {Case{1, 1, 200, 200, 64, true},      // full and partial block tiles
                         Case{1, 2, 80, 80, 64, false},
@@ -404,15 +531,18 @@ TEST_CASE("attention tiles: 16-byte row loads only where every row starts on a 1
   // GPT-2's q, k and v: (B, T, 3C) with C = 12 * 64, heads of 64 inside a row, at offsets 0, C, 2C.
   const HeadStrides gpt{.heads = 12, .batch = 1024 * 2304, .head = 64, .row = 2304};
   CHECK(tc::vector_rows(aligned, gpt, 64, 64));
-  const auto k_view = reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(buffer) + 768 * 2);
+  const auto k_view =
+      reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(buffer) + 768 * 2);
   CHECK(tc::vector_rows(k_view, gpt, 64, 64));  // the k view: 768 elements on
   CHECK_FALSE(tc::vector_rows(off_by_one, gpt, 64, 64));
   CHECK_FALSE(tc::vector_rows(aligned, gpt, 40, 64));  // rows shorter than the tile: zero padded
   CHECK_FALSE(tc::vector_rows(aligned, {.heads = 2, .batch = 2 * 7 * 60, .head = 60, .row = 120},
                               64, 64));                           // d = 60 heads inside rows
   CHECK_FALSE(tc::vector_rows(aligned, {.heads = 1, .batch = 3 * 68, .row = 68}, 64, 64));
-  CHECK_FALSE(tc::vector_rows(aligned, {.heads = 3, .batch = 1, .head = 3 * 64, .row = 64}, 64, 64));
-  CHECK(tc::vector_rows(aligned, {.heads = 3, .batch = 3 * 9 * 32, .head = 9 * 32, .row = 32}, 32, 32));
+  CHECK_FALSE(
+      tc::vector_rows(aligned, {.heads = 3, .batch = 1, .head = 3 * 64, .row = 64}, 64, 64));
+  CHECK(tc::vector_rows(aligned, {.heads = 3, .batch = 3 * 9 * 32, .head = 9 * 32, .row = 32},
+                        32, 32));
 }
 
 TEST_CASE("attention tiles: under a causal mask each head's blocks take the longest walks first") {
