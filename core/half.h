@@ -100,12 +100,19 @@ MB_HOST_DEVICE inline float half_bits_to_float(std::uint16_t h) {
 #endif
 }
 
-/// bfloat16: the top half of an f32, round to nearest even; NaN stays NaN.
+/// bfloat16: the top half of an f32, round to nearest even; NaN stays NaN. On the device the
+/// conversion instruction, as for f16 (the same rounding; a NaN comes out as the canonical 0x7FFF,
+/// as the paired conversion the 16-byte stores use gives it, so a NaN's bits do not depend on
+/// which store wrote it).
 MB_HOST_DEVICE inline std::uint16_t float_to_bf16_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
   std::uint32_t u = float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<std::uint16_t>(u >> 16);
+#endif
 }
 
 MB_HOST_DEVICE inline float bf16_bits_to_float(std::uint16_t b) {
