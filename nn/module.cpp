@@ -6,6 +6,11 @@ namespace microbatch::nn {
 
 namespace {
 thread_local Device t_default_device = kCPU;
+
+// Whether two slots hold one tensor: the same slot, or tied (one impl under two names).
+bool same_tensor(const Tensor* a, const Tensor* b) {
+  return a == b || (a->defined() && b->defined() && a->impl() == b->impl());
+}
 }  // namespace
 
 Device default_device() { return t_default_device; }
@@ -27,11 +32,8 @@ void Module::collect(const std::string& prefix, bool params,
   for (const auto& [name, slot] : params ? params_ : buffers_) {
     // A tied parameter (one tensor registered under several names) is listed once, under its
     // first name.
-    if (std::find(seen.begin(), seen.end(), slot) != seen.end()) continue;
-    const bool same_impl = std::any_of(seen.begin(), seen.end(), [&](const Tensor* s) {
-      return s->defined() && slot->defined() && s->impl() == slot->impl();
-    });
-    if (same_impl) continue;
+    auto same = [&](const Tensor* s) { return same_tensor(s, slot); };
+    if (std::any_of(seen.begin(), seen.end(), same)) continue;
     seen.push_back(slot);
     out.emplace_back(prefix + name, slot);
   }
@@ -40,8 +42,10 @@ void Module::collect(const std::string& prefix, bool params,
 
 void Module::collect_every_name(const std::string& prefix, bool params,
                                 std::vector<std::pair<std::string, Tensor*>>& out) const {
-  for (const auto& [name, slot] : params ? params_ : buffers_) out.emplace_back(prefix + name, slot);
-  for (const auto& [name, child] : children_) child->collect_every_name(prefix + name + ".", params, out);
+  for (const auto& [name, slot] : params ? params_ : buffers_)
+    out.emplace_back(prefix + name, slot);
+  for (const auto& [name, child] : children_)
+    child->collect_every_name(prefix + name + ".", params, out);
 }
 
 std::vector<std::pair<std::string, Tensor*>> Module::parameter_slots() {
@@ -100,9 +104,8 @@ void Module::load_state_dict(const StateDict& state, LoadMode mode) {
   collect_every_name("", true, every);
   collect_every_name("", false, every);
   for (auto& [name, slot] : every) {
-    auto it = std::find_if(tensors.begin(), tensors.end(), [&](const Named& t) {
-      return t.slot == slot || (t.slot->defined() && slot->defined() && t.slot->impl() == slot->impl());
-    });
+    auto it = std::find_if(tensors.begin(), tensors.end(),
+                           [&](const Named& t) { return same_tensor(t.slot, slot); });
     if (it != tensors.end()) {
       it->names.push_back(name);
     } else {
@@ -186,11 +189,6 @@ void move_slots(std::vector<std::pair<std::string, Tensor*>>& slots, Device devi
 }
 }  // namespace
 
-void Module::all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out) {
-  for (auto& slot : params ? params_ : buffers_) out.push_back(slot);
-  for (auto& [name, child] : children_) child->all_slots(params, out);
-}
-
 std::vector<std::shared_ptr<ParameterOwner>> Module::live_owners() const {
   std::vector<std::shared_ptr<ParameterOwner>> out;
   if (auto owner = owner_.lock()) out.push_back(std::move(owner));
@@ -228,18 +226,18 @@ void Module::to(Device device) {
   check_movable(device, std::nullopt);
   for (bool params : {true, false}) {
     std::vector<std::pair<std::string, Tensor*>> slots;
-    all_slots(params, slots);
+    collect_every_name("", params, slots);
     move_slots(slots, device, std::nullopt, params);
   }
 }
 
 void Module::to(DType dtype) {
   std::vector<std::pair<std::string, Tensor*>> params;
-  all_slots(true, params);
+  collect_every_name("", true, params);
   if (!params.empty()) check_movable(params[0].second->device(), dtype);
   for (bool params : {true, false}) {
     std::vector<std::pair<std::string, Tensor*>> slots;
-    all_slots(params, slots);
+    collect_every_name("", params, slots);
     if (!slots.empty()) move_slots(slots, slots[0].second->device(), dtype, params);
   }
 }

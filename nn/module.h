@@ -113,11 +113,10 @@ class Module {
   void check_movable(Device device, std::optional<DType> dtype);
   // The distinct live owners of this module's and its children's parameters.
   std::vector<std::shared_ptr<ParameterOwner>> live_owners() const;
-  // Every slot of this module and its children, tied ones included (for moves).
-  void all_slots(bool params, std::vector<std::pair<std::string, Tensor*>>& out);
   void collect(const std::string& prefix, bool params, std::vector<std::pair<std::string, Tensor*>>& out,
                std::vector<const Tensor*>& seen) const;
-  // Every slot under its dotted name, a tied one under each of its names, in collect's order.
+  // Every slot under its dotted name, a tied one under each of its names, in collect's order
+  // (loading and moves).
   void collect_every_name(const std::string& prefix, bool params,
                           std::vector<std::pair<std::string, Tensor*>>& out) const;
 
