@@ -641,26 +641,30 @@ for suite in tests_core tests_train; do
   fi
 done
 
+# The tiny GPTs the compute-sanitizer stages train on cuda:0: in f32 (head size 16), and in bf16
+# with head size 64 (the tensor-core attention, GPT-2's shape), 80 positions (a partial key tile)
+# and a vocabulary of 61 (logits on padded rows, the cuBLASLt epilogues).
+TINY_GPT_F32="--n-embd 32 --n-head 2 --block-size 32 --vocab-size 64"
+TINY_GPT_BF16="--n-embd 128 --n-head 2 --block-size 80 --vocab-size 61 --bf16"
+TINY_GPT_TRAIN=(train --model gpt --dataset synthetic --synthetic-size 16 --device cuda --n-layer 1
+                --per-device-train-batch-size 4 --logging-steps 1 --eval-strategy no
+                --save-strategy no)
 if gpu_stage sanitizer && ready sanitizer microbatch; then
   if [[ -z "$SANITIZER" ]]; then
     skip_stage sanitizer "compute-sanitizer not found"
   else
-    # Tiny GPTs for two optimizer steps on cuda:0: in f32 (head size 16), and in bf16 with head
-    # size 64 (the tensor-core attention, GPT-2's shape), 80 positions (a partial key tile) and a
-    # vocabulary of 61 (logits on padded rows, the cuBLASLt epilogues). MB_ALLOCATOR_BYPASS=1 asks
-    # the allocator to return every block to cudaFree, so that memcheck sees each allocation's
-    # real bounds.
+    # Both tiny GPTs for two optimizer steps. MB_ALLOCATOR_BYPASS=1 asks the allocator to return
+    # every block to cudaFree, so that memcheck sees each allocation's real bounds.
     run_stage sanitizer 90 30 bash -c '
-      sanitizer="$1" cli="$2" dir="$3/sanitizer_run"
-      for model in "--n-embd 32 --n-head 2 --block-size 32 --vocab-size 64" \
-                   "--n-embd 128 --n-head 2 --block-size 80 --vocab-size 61 --bf16"; do
+      sanitizer="$1" dir="$2/sanitizer_run" f32="$3" bf16="$4"
+      shift 4  # the command and its training arguments
+      for model in "$f32" "$bf16"; do
         echo "== memcheck: $model"
-        MB_ALLOCATOR_BYPASS=1 "$sanitizer" --tool memcheck --error-exitcode 1 "$cli" train --model gpt \
-          --dataset synthetic --synthetic-size 16 $model --device cuda --n-layer 1 \
-          --per-device-train-batch-size 4 --max-steps 2 --logging-steps 1 --eval-strategy no \
-          --save-strategy no --output-dir "$dir" || exit 1
+        MB_ALLOCATOR_BYPASS=1 "$sanitizer" --tool memcheck --error-exitcode 1 "$@" $model \
+          --max-steps 2 --output-dir "$dir" || exit 1
         rm -rf "$dir"
-      done' sanitizer "$SANITIZER" "$BUILD_DIR/microbatch" "$BUILD_DIR"
+      done' sanitizer "$SANITIZER" "$BUILD_DIR" "$TINY_GPT_F32" "$TINY_GPT_BF16" \
+      "$BUILD_DIR/microbatch" "${TINY_GPT_TRAIN[@]}"
   fi
 fi
 KEEP=15  # for the comparison
@@ -674,19 +678,19 @@ if gpu_stage racecheck && ready racecheck microbatch; then
     # status 0 when all else passed).
     skip_stage racecheck "no time left for it after the planner (it needs 20s)"
   else
-    # The bf16 tiny GPT of the memcheck stage, one step: racecheck finds shared-memory hazards (a
-    # tile read before every warp wrote it, or rewritten while one still reads it), synccheck a
-    # barrier that not every thread of a block reaches. Last: the slowest tools, the least needed.
+    # The bf16 tiny GPT, one step: racecheck finds shared-memory hazards (a tile read before
+    # every warp wrote it, or rewritten while one still reads it), synccheck a barrier that not
+    # every thread of a block reaches. Last: the slowest tools, the least needed.
     run_stage racecheck 60 20 bash -c '
-      sanitizer="$1" cli="$2" dir="$3/racecheck_run"
+      sanitizer="$1" dir="$2/racecheck_run" bf16="$3"
+      shift 3  # the command and its training arguments
       for tool in racecheck synccheck; do
         echo "== $tool"
-        "$sanitizer" --tool "$tool" --error-exitcode 1 "$cli" train --model gpt --dataset synthetic \
-          --synthetic-size 8 --n-embd 128 --n-head 2 --block-size 80 --vocab-size 61 --bf16 \
-          --device cuda --n-layer 1 --per-device-train-batch-size 4 --max-steps 1 --logging-steps 1 \
-          --eval-strategy no --save-strategy no --output-dir "$dir" || exit 1
+        "$sanitizer" --tool "$tool" --error-exitcode 1 "$@" $bf16 --max-steps 1 \
+          --output-dir "$dir" || exit 1
         rm -rf "$dir"
-      done' racecheck "$SANITIZER" "$BUILD_DIR/microbatch" "$BUILD_DIR"
+      done' racecheck "$SANITIZER" "$BUILD_DIR" "$TINY_GPT_BF16" \
+      "$BUILD_DIR/microbatch" "${TINY_GPT_TRAIN[@]}"
   fi
 fi
 KEEP=0
