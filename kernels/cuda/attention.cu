@@ -517,12 +517,11 @@ AttentionKernel& kernel_choice() {
   return choice;
 }
 
-// Whether the tensor-core kernels run here: their mma.sync m16n8k16 needs a device of sm_80 or
-// later, running code compiled for sm_80 or later. A build for "75;90" has neither binary for an
-// sm_86 device, and the driver compiles the compute_75 code for it, where those bodies are traps:
-// the PTX version of the kernel the driver loads tells (cached per device).
+// Whether the tensor-core kernels run here: their mma.sync m16n8k16 needs code compiled for sm_80
+// or later, which only such a device runs. A build for "75;90" has neither binary for an sm_86
+// device, and the driver compiles the compute_75 code for it, where those bodies are traps: the
+// PTX version of the kernel the driver loads for the device tells (cached per device).
 bool tensor_cores_here() {
-  if (compute_capability() < kTcMinCapability) return false;
   static std::mutex mutex;
   static std::map<int, bool> by_device;
   int device = 0;

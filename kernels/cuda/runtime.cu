@@ -19,7 +19,6 @@ struct PerDevice {
   void* cublas_workspace = nullptr;
   cublasLtHandle_t cublaslt = nullptr;
   int sm_count = 0;
-  int compute_capability = 0;  // major * 10 + minor
 #ifdef MB_HAVE_CUDNN
   cudnnHandle_t cudnn = nullptr;
 #endif
@@ -111,18 +110,6 @@ int multiprocessor_count() {
     MB_CUDA_CHECK(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
   }
   return d.sm_count;
-}
-
-int compute_capability() {
-  const int device = current_device();
-  PerDevice& d = per_device(device);
-  if (d.compute_capability == 0) {
-    int major = 0, minor = 0;
-    MB_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    MB_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    d.compute_capability = major * 10 + minor;
-  }
-  return d.compute_capability;
 }
 
 unsigned grid_for(long long n, int threads) {

@@ -34,9 +34,6 @@ void* cublas_workspace(std::size_t* bytes);
 /// Streaming multiprocessors on the current device (cached).
 int multiprocessor_count();
 
-/// The current device's compute capability as major * 10 + minor: 90 for an H100 or H200 (cached).
-int compute_capability();
-
 /// Blocks for a grid-stride loop over n items with `threads` per block: enough to fill the device
 /// a few times over, never more than the items need.
 unsigned grid_for(long long n, int threads);
