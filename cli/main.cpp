@@ -20,6 +20,7 @@
 #include "core/profiler.h"
 #include "nn/models.h"
 #include "train/accumulation_check.h"
+#include "train/distributed.h"
 #include "train/fashion_mnist.h"
 #include "train/text.h"
 #include "train/trainer.h"
@@ -349,16 +350,24 @@ int run_train(Options& o) {
   if (!job.eval_set && !o.eval_strategy_given) args.eval_strategy = "no";
   mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
   const mb::train::MemoryPlan& plan = trainer.plan();
+  // In a data-parallel run (`mpirun -np W microbatch train ...`) rank 0 alone prints.
+  const mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
+  std::ostream no_output(nullptr);
+  std::ostream& out = world.is_main() ? std::cout : no_output;
   if (!args.json) {
-    std::cout << "model " << o.model << " on " << trainer.device().str() << ": "
+    out << "model " << o.model << " on " << trainer.device().str() << ": "
               << trainer.model().num_parameters() << " parameters; "
               << job.train_set->size() << " training examples; micro-batch " << plan.micro_batch_size << " x "
               << plan.accumulation_steps << " accumulation steps"
+              << (world.size() > 1
+                      ? fmt::format(" on each of {} processes ({})", world.size(),
+                                    mb::train::ddp_backend_name(world.backend()))
+                      : std::string())
               << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
     if (args.memory_budget > 0)
-      std::cout << "; predicted peak " << mb::format_bytes(plan.predicted_peak) << " of "
+      out << "; predicted peak " << mb::format_bytes(plan.predicted_peak) << " of "
                 << mb::format_bytes(args.memory_budget);
-    std::cout << "\n";
+    out << "\n";
   }
   // Started after the model and the plan are made, so the table holds train() alone: its steps, and
   // the evaluations the eval strategy runs inside it (--eval-strategy no leaves them out).
@@ -371,17 +380,17 @@ int run_train(Options& o) {
     profile_report = mb::profiler::report();
   }
   if (!args.json) {
-    std::cout << fmt::format("done: {} steps, training loss {:.4f}", r.global_step, r.training_loss);
-    if (r.metrics.count("eval_accuracy")) std::cout << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
-    if (r.metrics.count("eval_f1")) std::cout << fmt::format(", macro F1 {:.4f}", r.metrics["eval_f1"]);
+    out << fmt::format("done: {} steps, training loss {:.4f}", r.global_step, r.training_loss);
+    if (r.metrics.count("eval_accuracy")) out << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
+    if (r.metrics.count("eval_f1")) out << fmt::format(", macro F1 {:.4f}", r.metrics["eval_f1"]);
     if (r.metrics.count("eval_loss") && !r.metrics.count("eval_accuracy"))
-      std::cout << fmt::format(", validation loss {:.4f}", r.metrics["eval_loss"]);
-    std::cout << "; weights in " << args.output_dir << "/model.safetensors\n";
+      out << fmt::format(", validation loss {:.4f}", r.metrics["eval_loss"]);
+    out << "; weights in " << args.output_dir << "/model.safetensors\n";
   }
   if (profile && args.json) {
-    std::cout << nlohmann::json{{"profile", profile_report.to_json()}}.dump() << "\n";
+    out << nlohmann::json{{"profile", profile_report.to_json()}}.dump() << "\n";
   } else if (profile) {
-    std::cout << "\ntime per op during training (README: Profiling):\n" << profile_report.table();
+    out << "\ntime per op during training (README: Profiling):\n" << profile_report.table();
   }
   return 0;
 }
@@ -478,6 +487,8 @@ int main(int argc, char** argv) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message
     // and an exit status, never an abort.
     std::cerr << "error: " << e.what() << "\n";
+    // The other ranks of a data-parallel run would wait for this one: end them all.
+    mb::train::ProcessGroup::abort_if_distributed(2);
     return 2;
   }
   return 0;

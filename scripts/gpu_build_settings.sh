@@ -3,7 +3,7 @@
 # both find nvcc and read a cuDNN version. Programs prebuilt with these settings are the programs
 # the check would build; gpu_prebuild.sh writes them into its manifest, and the check refuses an
 # archive whose settings are not its own.
-GPU_CMAKE_SETTINGS=(-DCMAKE_BUILD_TYPE=Release -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON -DMB_NATIVE=OFF)
+GPU_CMAKE_SETTINGS=(-DCMAKE_BUILD_TYPE=Release -DMB_CUDA=ON -DMB_BUILD_BENCHMARKS=ON -DMB_NATIVE=OFF -DMB_MPI=OFF)
 GPU_TARGETS=(microbatch_cli bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
 GPU_PROGRAMS=(microbatch bench_gpt2_cuda bench_attention_cuda bench_kernels_cuda tests_core tests_train)
 # One line naming all three, as the manifest records it.

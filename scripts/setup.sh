@@ -14,7 +14,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
 
 packages=(build-essential cmake ccache libeigen3-dev doctest-dev nlohmann-json3-dev libcli11-dev
-          libfmt-dev zlib1g-dev dataset-fashion-mnist python3 xz-utils)
+          libfmt-dev zlib1g-dev dataset-fashion-mnist python3 xz-utils libopenmpi-dev openmpi-bin)
 if [[ "${MB_INSTALL_TORCH:-0}" == 1 ]]; then
   packages+=(python3-torch libopenblas0-pthread)
 fi

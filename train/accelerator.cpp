@@ -65,6 +65,8 @@ bool WindowedLoader::read_window() {
   if (pending_.empty()) return false;
   std::int64_t total = 0;
   for (const Batch& b : pending_) total += b.num_items;
+  // In a data-parallel run the window is every process's: weights are shares of all its items.
+  if (group_ != nullptr) total = group_->all_reduce_sum(total);
   for (Batch& b : pending_) {
     WindowBatch w;
     // A window with no loss-bearing item contributes nothing (weight 0), rather than NaN.
@@ -102,7 +104,8 @@ void WindowedLoader::reset() {
   if (loader_) read_to_ = loader_->state();
 }
 
-Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
+Accelerator::Accelerator(AcceleratorConfig config)
+    : config_(config), group_(config.group != nullptr ? config.group : &ProcessGroup::world()) {
   MB_CHECK(config.gradient_accumulation_steps >= 1,
            "[Accelerator] gradient_accumulation_steps must be >= 1, got {}",
            config.gradient_accumulation_steps);
@@ -117,7 +120,9 @@ Accelerator::Accelerator(AcceleratorConfig config) : config_(config) {
     device_ = d;
   } else {
     device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
+    device_ = rank_device(*group_, device_);
   }
+  if (group_->size() > 1) group_->use(parse_ddp_backend(config.ddp_backend, *group_, device_), device_);
 }
 
 namespace {
@@ -141,19 +146,31 @@ nn::Module& Accelerator::prepare_model(nn::Module& model) {
     model_ignore_index_ = m->ignore_index();
   }
   model.to(device_);
+  if (group_->size() > 1) {
+    for (Tensor p : model.parameters()) group_->broadcast(p);
+  }
   return model;
 }
 
 WindowedLoader Accelerator::prepare(DataLoader& loader) {
   const std::int64_t counted = loader.options().collate.ignore_index;
   if (model_ignore_index_) check_ignore_index(*model_ignore_index_, counted);
+  const DataLoaderOptions& o = loader.options();
+  MB_CHECK(o.num_replicas == group_->size() && o.rank == group_->rank(),
+           "[Accelerator] process {} of {} was given a loader sharded as rank {} of {}: build it "
+           "with .num_replicas = accelerator.num_processes(), .rank = "
+           "accelerator.process_index(), so that each process trains on its own share",
+           group_->rank(), group_->size(), o.rank, o.num_replicas);
   WindowedLoader windows(loader, config_.gradient_accumulation_steps, device_);
+  if (group_->size() > 1) windows.group_ = group_;
   loader_ignore_indices_.push_back(counted);
   return windows;
 }
 
 WindowedLoader Accelerator::prepare(std::function<std::optional<Batch>()> next) {
-  return WindowedLoader(std::move(next), config_.gradient_accumulation_steps, device_);
+  WindowedLoader windows(std::move(next), config_.gradient_accumulation_steps, device_);
+  if (group_->size() > 1) windows.group_ = group_;
+  return windows;
 }
 
 AccumulateScope Accelerator::accumulate(const WindowBatch& batch) {
@@ -190,6 +207,10 @@ AcceleratedOptimizer::AcceleratedOptimizer(Accelerator& accelerator, optim::Opti
 
 void AcceleratedOptimizer::step(optim::StepOptions options) {
   if (!accelerator_.sync_gradients()) return;
+  if (accelerator_.group_->size() > 1) {
+    Tensor grads = optimizer_.store().grads();
+    accelerator_.group_->all_reduce_sum(grads);
+  }
   const std::int64_t taken = optimizer_.step_count();
   optimizer_.step(options);
   // A skipped step (found_inf) leaves the step count as it was; the scheduler reads this.

@@ -33,6 +33,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/data.h"
+#include "train/distributed.h"
 
 namespace microbatch::train {
 
@@ -40,6 +41,11 @@ struct AcceleratorConfig {
   std::int64_t gradient_accumulation_steps = 1;
   bool cpu = false;              // Accelerate's `cpu`: the CPU even with a CUDA device present
   std::optional<Device> device;  // an explicit device (cpu or cuda:N), over the choice above
+  /// In a data-parallel run: auto (nccl on CUDA, mpi on the CPU), mpi or nccl.
+  std::string ddp_backend = "auto";
+  /// The processes that train together; nullptr is ProcessGroup::world(), those the launcher
+  /// started (ProcessGroup::solo() trains this process alone).
+  ProcessGroup* group = nullptr;
 };
 
 /// A batch with its exact weight in the accumulation window, and whether the window ends with it.
@@ -99,11 +105,15 @@ class WindowedLoader {
   std::vector<Batch> pending_;      // the window being read; kept when the source throws
   std::deque<WindowBatch> window_;  // the complete window, weighted, on the host
   std::int64_t handed_ = 0;         // batches of the current window handed out, before its last
+  ProcessGroup* group_ = nullptr;   // a data-parallel run's ranks, whose windows are one window
+  friend class Accelerator;
 };
 
 class Accelerator;
 
-/// An optimizer whose step() and zero_grad() act only at a window's boundary.
+/// An optimizer whose step() and zero_grad() act only at a window's boundary. In a data-parallel
+/// run step() first sums the gradients over the processes, once per window (a norm read before it
+/// sees this process's share).
 class AcceleratedOptimizer {
  public:
   AcceleratedOptimizer(Accelerator& accelerator, optim::Optimizer& optimizer);
@@ -151,16 +161,29 @@ class Accelerator {
  public:
   explicit Accelerator(AcceleratorConfig config = {});
 
-  /// Where the model and batches go: config.device, else cuda:0 when present and not config.cpu,
-  /// else the CPU.
+  /// Where the model and batches go: config.device, else cuda:0 when present and not config.cpu
+  /// (cuda:(local rank) in a data-parallel run), else the CPU.
   Device device() const { return device_; }
+  /// The processes of a data-parallel run, as Accelerate names them (Note [Data parallel] in
+  /// train/distributed.h): 1, 0, 0 and true for a single process.
+  int num_processes() const { return group_->size(); }
+  int process_index() const { return group_->rank(); }
+  int local_process_index() const { return group_->local_rank(); }
+  bool is_main_process() const { return group_->is_main(); }
+  /// The sum of `value` over the processes (a loss to log, a count): every process calls it.
+  double reduce(double value) { return group_->all_reduce_sum(value); }
   /// Moves the model to device(); call it before building the model's ParamStore. For an
-  /// nn::Model, loaders prepared before or after must collate with its ignore_index.
+  /// nn::Model, loaders prepared before or after must collate with its ignore_index. In a
+  /// data-parallel run every process then holds process 0's weights.
   nn::Module& prepare_model(nn::Module& model);
   /// Windows over a DataLoader (which must outlive them): each batch comes with its window weight
-  /// (Note [Exact accumulation]), on device(). Refuses a loader with no batches.
+  /// (Note [Exact accumulation]), on device(). Refuses a loader with no batches. In a
+  /// data-parallel run the loader must be sharded for this process (.num_replicas =
+  /// num_processes(), .rank = process_index()), and the weights are shares of the window over
+  /// every process: each window's item count is summed over them.
   WindowedLoader prepare(DataLoader& loader);
-  /// The same over any batch source.
+  /// The same over any batch source; in a data-parallel run every process's source must yield
+  /// as many batches.
   WindowedLoader prepare(std::function<std::optional<Batch>()> next);
   AcceleratedOptimizer prepare(optim::Optimizer& optimizer) { return {*this, optimizer}; }
   /// The scheduler skips a step when its own optimizer's last step was skipped (when that
@@ -181,6 +204,7 @@ class Accelerator {
   friend class AcceleratedOptimizer;
   friend class AcceleratedScheduler;
   AcceleratorConfig config_;
+  ProcessGroup* group_;
   Device device_ = kCPU;
   bool sync_gradients_ = true;
   bool in_scope_ = false;

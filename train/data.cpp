@@ -209,13 +209,21 @@ DataLoader::DataLoader(const Dataset& dataset, DataLoaderOptions options)
   MB_CHECK(options_.batch_size >= 1, "[DataLoader] batch_size must be at least 1, got {}",
            options_.batch_size);
   MB_CHECK(options_.prefetch >= 0, "[DataLoader] prefetch must be >= 0, got {}", options_.prefetch);
+  MB_CHECK(options_.num_replicas >= 1 && options_.rank >= 0 && options_.rank < options_.num_replicas,
+           "[DataLoader] rank {} of num_replicas {}: need num_replicas >= 1 and 0 <= rank < "
+           "num_replicas", options_.rank, options_.num_replicas);
   set_state({});
 }
 
 DataLoader::~DataLoader() { stop_worker(); }
 
+std::int64_t DataLoader::samples_per_epoch() const {
+  const std::int64_t n = dataset_.size(), r = options_.num_replicas;
+  return n / r + (n % r != 0 ? 1 : 0);
+}
+
 std::int64_t DataLoader::num_batches() const {
-  const std::int64_t n = dataset_.size();
+  const std::int64_t n = samples_per_epoch();
   const std::int64_t b = options_.batch_size;
   return options_.drop_last ? n / b : n / b + (n % b != 0 ? 1 : 0);  // n + b - 1 could overflow
 }
@@ -236,6 +244,16 @@ void DataLoader::set_state(LoaderState state) {
     } else {
       order_.resize(static_cast<std::size_t>(n));
       std::iota(order_.begin(), order_.end(), 0);
+    }
+    if (options_.num_replicas > 1 && n > 0) {
+      // This rank's shard of the order padded with its own first samples (DistributedSampler).
+      const std::int64_t per_rank = samples_per_epoch();
+      std::vector<std::int64_t> shard(static_cast<std::size_t>(per_rank));
+      for (std::int64_t i = 0; i < per_rank; ++i) {
+        const std::int64_t at = options_.rank + i * options_.num_replicas;
+        shard[static_cast<std::size_t>(i)] = order_[static_cast<std::size_t>(at % n)];
+      }
+      order_ = std::move(shard);
     }
   } catch (const std::exception& e) {  // std::bad_alloc, or std::length_error past max_size()
     MB_CHECK(false, "[DataLoader] no memory for the order of {} examples ({} bytes of indices): {}",

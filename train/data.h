@@ -106,6 +106,11 @@ struct DataLoaderOptions {
   bool drop_last = false;      // drop a last batch shorter than batch_size
   std::int64_t prefetch = 2;   // batches a background thread produces ahead; 0 = no thread
   CollateOptions collate{};
+  /// Sharding for data-parallel training, as torch's DistributedSampler: each epoch's order is
+  /// padded by repeating its first samples to a multiple of num_replicas, and rank r takes its
+  /// samples r, r + num_replicas, ... (so every rank has as many batches). 1: no sharding.
+  std::int64_t num_replicas = 1;
+  std::int64_t rank = 0;
 };
 
 /// Where a loader stands: the epoch, and how many of its batches next() has already returned.
@@ -135,7 +140,9 @@ class DataLoader {
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
 
-  /// Batches per epoch: ceil(n / batch_size), or floor with drop_last.
+  /// Samples per epoch: the dataset's, or this rank's shard of it (ceil(n / num_replicas)).
+  std::int64_t samples_per_epoch() const;
+  /// Batches per epoch: ceil(samples / batch_size), or floor with drop_last.
   std::int64_t num_batches() const;
   const DataLoaderOptions& options() const { return options_; }
   const Dataset& dataset() const { return dataset_; }

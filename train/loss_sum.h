@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/ops.h"
+#include "train/distributed.h"
 
 namespace microbatch::train {
 
@@ -55,6 +56,22 @@ class LossSum {
     const Tensor finite = lt(abs(term), scalar_tensor(std::numeric_limits<double>::infinity(),
                                                       {.dtype = DType::f64, .device = device_}));
     device_sum_ = device_sum_ + where(finite, term, (device_sum_ - logged) / count);
+  }
+  /// Sums this over the ranks of a data-parallel run (a window's loss: Note [Data parallel] in
+  /// train/distributed.h). Every rank calls it, one that ran no micro-batch too; on a device the
+  /// sum is a collective on the stream, and the host does not wait.
+  void all_reduce(ProcessGroup& group) {
+    if (group.size() == 1) return;
+    if (device_.is_cpu()) {
+      host_ = group.all_reduce_sum(host_);
+      return;
+    }
+    // A sum of its own, which no loss tensor shares.
+    device_sum_ = device_sum_.defined()
+                      ? device_sum_ + host_
+                      : scalar_tensor(host_, {.dtype = DType::f64}).to(device_);
+    host_ = 0.0;
+    group.all_reduce_sum(device_sum_);
   }
   /// The sum (waits for the device).
   double value() const { return device_sum_.defined() ? host_ + device_sum_.item() : host_; }

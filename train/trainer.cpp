@@ -23,6 +23,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/loss_sum.h"
 #include "train/windows.h"
 
@@ -31,19 +32,25 @@ namespace microbatch::train {
 // ---- set-up and planning -----------------------------------------------------------------------
 
 Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& train_set,
-                 const Dataset* eval_set, ComputeMetrics compute_metrics)
+                 const Dataset* eval_set, ComputeMetrics compute_metrics, ProcessGroup* group)
     : model_init_(std::move(model_init)),
       args_(std::move(args)),
       train_set_(train_set),
       eval_set_(eval_set),
       compute_metrics_(std::move(compute_metrics)),
-      log_stream_(&std::cout) {
+      log_stream_(&std::cout),
+      group_(group != nullptr ? group : &ProcessGroup::world()) {
   args_.validate();
   MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
   MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
            "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set eval_strategy = no",
            args_.eval_strategy);
   device_ = args_.training_device();
+  if (group_->size() > 1) {
+    // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
+    if (args_.device.find(':') == std::string::npos) device_ = rank_device(*group_, device_);
+    group_->use(parse_ddp_backend(args_.ddp_backend, *group_, device_), device_);
+  }
   empty_cache(device_);
   baseline_ = memory_stats(device_).reserved.current;
   if (args_.fp16) compute_dtype_ = DType::f16;
@@ -53,6 +60,7 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
   model_->to(device_);
   plan_ = make_plan();
+  global_batch_ = plan_.effective_batch * group_->size();
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -71,7 +79,20 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
 }
 
 
-MemoryPlan Trainer::make_plan() { return plan_training(model_init_, args_, train_set_, device_); }
+MemoryPlan Trainer::make_plan() {
+  return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_);
+}
+
+TrainingArguments rank_arguments(const TrainingArguments& args, int world) {
+  TrainingArguments rank = args;
+  if (world > 1 && args.train_batch_size > 0) {
+    MB_CHECK(args.train_batch_size % world == 0,
+             "[Trainer] train_batch_size {} is not divisible by the {} processes of this run: each "
+             "takes an equal share of the effective batch", args.train_batch_size, world);
+    rank.train_batch_size = args.train_batch_size / world;
+  }
+  return rank;
+}
 
 // ---- training ----------------------------------------------------------------------------------
 
@@ -166,6 +187,7 @@ std::optional<double> loss_from_json(const nlohmann::json& v) {
 // zeroed and the whole window re-run with the split, which is exact too (and logged as such).
 TrainOutput Trainer::train() {
   namespace fs = std::filesystem;
+  const bool main = group_->is_main();
   {
     std::error_code ec;
     fs::create_directories(args_.output_dir, ec);
@@ -187,12 +209,21 @@ TrainOutput Trainer::train() {
              "[Trainer] output_dir {} holds checkpoints of another run ({}): resume it with "
              "resume_from_checkpoint = latest, or set overwrite_output_dir to delete them and "
              "start afresh", args_.output_dir, old.back());
-    for (const std::string& path : old) fs::remove_all(path);
+    if (main) {
+      for (const std::string& path : old) fs::remove_all(path);
+    }
   }
-  std::ofstream log_file(log_path, resuming ? std::ios::app : std::ios::trunc);
-  MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
-  std::ostream& out = *log_stream_;
-  const bool tty = log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
+  // In a data-parallel run rank 0 alone writes the log, the checkpoints and the weights, and prints;
+  // the other ranks' log stays closed (what is written to it is dropped) and they print nothing.
+  std::ofstream log_file;
+  if (main) {
+    log_file.open(log_path, resuming ? std::ios::app : std::ios::trunc);
+    MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
+  }
+  std::ostream no_output(nullptr);
+  std::ostream& out = main ? *log_stream_ : no_output;
+  const bool tty = main && log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
+  group_->barrier();  // the old checkpoints are gone before any rank reads the folder again
 
   model_->train();
   // Note [Arenas in blocks of their own]: building the model leaves its initialisers' temporaries
@@ -216,7 +247,7 @@ TrainOutput Trainer::train() {
                              .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
   // The model's ignore_index pads token labels and is left out of each micro-batch's items (Note
   // [Batch items]), so that the weights are the shares of the items its loss averages over.
-  DataLoader loader(train_set_, {.batch_size = plan_.effective_batch, .shuffle = true, .seed = args_.seed,
+  DataLoader loader(train_set_, {.batch_size = global_batch_, .shuffle = true, .seed = args_.seed,
                                  .prefetch = 0,
                                  .collate = {.ignore_index = model_->ignore_index()}});
   const std::int64_t windows_per_epoch = loader.num_batches();
@@ -312,8 +343,11 @@ TrainOutput Trainer::train() {
                "order would differ ({})", point->path, what, *saved, now, hint);
     };
     same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed), "pass the same seed");
-    same("an effective batch of", saved_value("plan", "effective_batch"), plan_.effective_batch,
-         "keep per_device_train_batch_size x gradient_accumulation_steps");
+    // A window is the effective batch over every rank; the processes may differ in number.
+    std::optional<std::int64_t> saved_batch = saved_value("plan", "effective_batch");
+    if (saved_batch) *saved_batch *= saved_value(nullptr, "world_size").value_or(1);
+    same("an effective batch of", saved_batch, global_batch_,
+         "keep per_device_train_batch_size x gradient_accumulation_steps x processes");
     same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
          "train on the same data");
     if (st.contains("train_fingerprint")) {
@@ -368,7 +402,7 @@ TrainOutput Trainer::train() {
     logged_at = saved_logged_at;
     scheduler.set_steps(saved_scheduler);
     default_generator().set_state({rng_seed, rng_offset});
-    if (st.contains("log_bytes") && fs::exists(log_path)) {
+    if (main && st.contains("log_bytes") && fs::exists(log_path)) {
       const std::int64_t kept = count("log_bytes");
       log_file.close();
       std::error_code ec;
@@ -384,6 +418,15 @@ TrainOutput Trainer::train() {
       out << event.dump() << "\n";
     } else {
       out << "resumed from " << point->path << " at step " << step << "\n";
+    }
+  }
+  if (group_->size() > 1) {
+    // Every rank starts from rank 0's weights (the same seed made the same ones; this makes sure).
+    Tensor master = store.master();
+    group_->broadcast(master);
+    if (store.master().raw_data() != store.weights().raw_data()) {
+      Tensor working = store.weights();
+      group_->broadcast(working);
     }
   }
   const std::int64_t first_step = step;  // a run resumed at its end trains, evaluates and saves nothing
@@ -408,8 +451,9 @@ TrainOutput Trainer::train() {
     // the plan, and left cached after it they fit none of the windows' requests: the cache is
     // handed back before and after, as around an evaluation.
     empty_cache(device_);
-    std::string path, line;
-    {
+    std::string path = (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string(),
+                line;
+    if (main) {
       CheckpointData data;
       for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
       for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
@@ -429,6 +473,7 @@ TrainOutput Trainer::train() {
                             {"args", args_.to_json()},
                             {"skipped_steps", skipped},
                             {"train_examples", train_set_.size()},
+                            {"world_size", group_->size()},
                             {"train_fingerprint", fingerprint}};
       if (!architecture.is_null()) data.trainer_state["model"] = architecture;
       if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
@@ -443,9 +488,12 @@ TrainOutput Trainer::train() {
       path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
     }
     empty_cache(device_);
-    MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos, "checkpoint saved as {}", path);
-    log_file << line;
-    log_file.flush();
+    if (main) {
+      MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos, "checkpoint saved as {}",
+                path);
+      log_file << line;
+      log_file.flush();
+    }
     return path;
   };
   // Note [Stopping at the loss-scale floor]: after max_overflows_at_floor overflows at the floor
@@ -536,9 +584,15 @@ TrainOutput Trainer::train() {
       continue;
     }
     window_rng = default_generator().state();
-    const std::vector<std::int64_t> indices = loader.batch_indices(window);
+    // The window's samples, and this rank's share of them (Note [Data parallel]).
+    const std::vector<std::int64_t> window_indices = loader.batch_indices(window);
+    const std::vector<std::int64_t> indices =
+        group_->size() > 1 ? window_share(window_indices, group_->rank(), group_->size())
+                           : window_indices;
     std::vector<Chunk> chunks;
-    if (token_budget > 0) {
+    if (indices.empty()) {
+      // A short last window with fewer samples than ranks: this one only sums with the others.
+    } else if (token_budget > 0) {
       std::vector<std::int64_t> lengths;
       for (std::int64_t i : indices) lengths.push_back(train_set_.get(i).input.numel());
       chunks = pack_window(indices, lengths, token_budget);
@@ -549,13 +603,13 @@ TrainOutput Trainer::train() {
     // model's ignore_index; a sample so labelled does not count, so the weights still sum to 1.
     // Counted from the labels alone: collating the window here would take its inputs' memory
     // outside the out-of-memory recovery below.
-    auto items_of = [&](const Chunk& c) -> std::int64_t { return loader.items_for(c); };
-    std::int64_t window_items = 0;
-    for (const Chunk& c : chunks) window_items += items_of(c);
+    // Over the whole window, every rank's share: each rank weighs its micro-batches by their share
+    // of it, so that the ranks' gradients sum to the window's.
+    const std::int64_t window_items = loader.items_for(window_indices);
 
     std::deque<Chunk> queue(chunks.begin(), chunks.end());
     LossSum window_loss(device_);
-    std::int64_t micro_batches = 0, window_tokens = 0;
+    std::int64_t micro_batches = 0;
     while (!queue.empty()) {
       Chunk chunk = queue.front();
       queue.pop_front();
@@ -576,7 +630,6 @@ TrainOutput Trainer::train() {
         // A micro-batch with no loss-bearing label has a NaN mean loss (as torch's) and weight 0:
         // it adds nothing to the window's loss, rather than 0 * NaN.
         if (b.num_items > 0) window_loss.add(o.loss, w);
-        window_tokens += token_labels ? b.num_items : 0;
         ++micro_batches;
       } catch (const OutOfMemoryError& e) {
         MB_CHECK(chunk.size() > 1, "[Trainer] one sample does not fit in the memory budget of {}: {}",
@@ -606,7 +659,6 @@ TrainOutput Trainer::train() {
           queue = redo;
           window_loss = LossSum(device_);
           micro_batches = 0;
-          window_tokens = 0;
         } else {
           queue.push_front(second);
           queue.push_front(first);
@@ -622,6 +674,12 @@ TrainOutput Trainer::train() {
       }
     }
 
+    if (group_->size() > 1) {
+      // One sum over the ranks per window: the gradient and the loss of the whole window.
+      Tensor grads = store.grads();
+      group_->all_reduce_sum(grads);
+      window_loss.all_reduce(*group_);
+    }
     // The boundary step: one pass for the norm and the non-finite flag, one fused optimizer pass
     // that unscales and clips (grad_scale) and writes master and working weights. An overflowing
     // window changes no weight, no moment, no optimizer step and no schedule step. On CUDA nothing
@@ -642,8 +700,8 @@ TrainOutput Trainer::train() {
                           step - logged_step);
     ++step;
     ++window;
-    samples += static_cast<std::int64_t>(indices.size());
-    tokens += window_tokens;
+    samples += static_cast<std::int64_t>(window_indices.size());
+    tokens += token_labels ? window_items : 0;
     window_rng.reset();
     if (floor_stop) stop_at_floor(*floor_stop);  // this window, now counted
 
@@ -718,7 +776,8 @@ TrainOutput Trainer::train() {
     const bool saved_last = args_.saves_after(step);
     if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && !saved_last)) save();
   }
-  save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
+  if (main) save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
+  group_->barrier();  // rank 0's files are written when train() returns on any rank
 
   TrainOutput result;
   result.global_step = step;
@@ -758,24 +817,29 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
   const bool was_training = model_->is_training();
   model_->eval();
   const bool collect = keep != nullptr || static_cast<bool>(compute_metrics_);
+  // In a data-parallel run each rank evaluates its share and the losses are summed; predictions,
+  // which compute_metrics and predict() take whole, are made for the whole set on every rank.
+  const bool shard = group_->size() > 1 && !collect;
+  const DatasetShard share(data, group_->rank(), group_->size());
+  const Dataset& source = shard ? share : data;
+  const bool token_labels = data.size() > 0 && data.get(0).label.dim() > 0;
   for (;;) {
     try {
       const std::int64_t ignore_index = model_->ignore_index();
-      DataLoader loader(data, {.batch_size = eval_batch_size_, .prefetch = 0,
-                               .collate = {.ignore_index = ignore_index}});
+      DataLoader loader(source, {.batch_size = eval_batch_size_, .prefetch = 0,
+                                 .collate = {.ignore_index = ignore_index}});
       double loss_sum = 0.0;
       std::int64_t items = 0;
       // Note [Predictions outside the budget]; Note [Padding across batches].
       HostRows logits("logits", kLogitsPadding);
       HostRows labels("labels", static_cast<double>(ignore_index));
-      bool token_labels = false, any = false;
+      bool any = false;
       while (auto host_batch = loader.next()) {
         const Batch batch = host_batch->to(device_);
         nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
         // A batch with no loss-bearing label has a NaN mean loss and no weight in the mean.
         if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
         items += batch.num_items;
-        token_labels = batch.labels.dim() > 1;
         if (collect) {
           logits.add(o.logits);
           labels.add(host_batch->labels);
@@ -784,6 +848,10 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
       }
       model_->train(was_training);
       eval_peak_ = memory_stats(device_).reserved.peak;
+      if (shard) {
+        loss_sum = group_->all_reduce_sum(loss_sum);
+        items = group_->all_reduce_sum(items);
+      }
       Metrics m;
       m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
       if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);

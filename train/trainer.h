@@ -35,10 +35,18 @@
 
 namespace microbatch::train {
 
+class ProcessGroup;
+
 /// Builds the model (as Hugging Face's model_init): the Trainer calls it once for training (and
 /// moves what it returns to the training device), and the planner calls it to measure copies on the
 /// meta device (under nn::DeviceScope(kMeta)).
 using ModelInit = std::function<std::unique_ptr<nn::Model>()>;
+
+/// Each rank's arguments in a data-parallel run of `world` processes: train_batch_size, the
+/// effective batch over all ranks as DeepSpeed counts it, becomes the rank's share (it must divide
+/// evenly); without it each rank's window is per_device_train_batch_size x
+/// gradient_accumulation_steps, as Hugging Face counts the total batch (that x world).
+TrainingArguments rank_arguments(const TrainingArguments& args, int world);
 
 /// The micro-batch schedule a Trainer with these arguments uses on `device`: planned on the meta
 /// device against memory_budget when one is set, else args' own split. It touches no device, so a
@@ -65,8 +73,11 @@ using StepCallback = std::function<void(std::int64_t step)>;
 
 class Trainer {
  public:
+  /// group: the processes that train together (Note [Data parallel] in train/distributed.h);
+  /// nullptr is ProcessGroup::world(), those the launcher started.
   Trainer(ModelInit model_init, TrainingArguments args, const Dataset& train_set,
-          const Dataset* eval_set = nullptr, ComputeMetrics compute_metrics = {});
+          const Dataset* eval_set = nullptr, ComputeMetrics compute_metrics = {},
+          ProcessGroup* group = nullptr);
   ~Trainer();
 
   TrainOutput train();
@@ -78,7 +89,8 @@ class Trainer {
   const TrainingArguments& args() const { return args_; }
   /// Where training runs (Note [Training on a device]).
   Device device() const { return device_; }
-  /// The micro-batch schedule in use (planned when memory_budget is set).
+  /// The micro-batch schedule in use (planned when memory_budget is set). In a data-parallel run
+  /// it is each rank's: its effective_batch is the rank's share of a window.
   const MemoryPlan& plan() const { return plan_; }
   void set_step_callback(StepCallback callback) { on_step_ = std::move(callback); }
   /// Where log lines go besides output_dir/log.jsonl (stdout by default).
@@ -102,7 +114,9 @@ class Trainer {
   // The device's reserved peak over the last evaluation's batches, before its predictions were
   // put together outside the budget (Note [Predictions outside the budget] in trainer.cpp).
   std::int64_t eval_peak_ = 0;
-  Device device_ = kCPU;       // args.training_device()
+  Device device_ = kCPU;       // args.training_device(); a rank's own GPU in a data-parallel run
+  ProcessGroup* group_;        // the processes of a data-parallel run (Note [Data parallel])
+  std::int64_t global_batch_ = 0;  // the effective batch over every rank: a window's samples
   std::int64_t baseline_ = 0;  // device bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16
   Tensor model_inputs(const Tensor& inputs) const;

@@ -133,6 +133,8 @@ void TrainingArguments::validate() const {
            "[TrainingArguments] loss_scale_floor must be in [2^-126, FLT_MAX], got {}",
            loss_scale_floor);
   optim::parse_schedule(lr_scheduler_type);
+  MB_CHECK(ddp_backend == "auto" || ddp_backend == "mpi" || ddp_backend == "nccl",
+           "[TrainingArguments] ddp_backend must be auto, mpi or nccl, got '{}'", ddp_backend);
   resolve_batch_triad(*this);
   requested_device();
 }
@@ -260,6 +262,7 @@ nlohmann::json TrainingArguments::to_json() const {
   j["seed"] = seed;
   j["use_cpu"] = use_cpu;
   j["device"] = device;
+  j["ddp_backend"] = ddp_backend;
   return j;
 }
 
@@ -352,6 +355,7 @@ TrainingArguments TrainingArguments::from_json(const nlohmann::json& j) {
   get("seed", a.seed);
   get("use_cpu", a.use_cpu);
   get("device", a.device);
+  get("ddp_backend", a.ddp_backend);
   get("json", a.json);
   return a;
 }

@@ -66,6 +66,9 @@ struct TrainingArguments {
   std::string device;                            // "cpu", "cuda" or "cuda:N" (not a Hugging Face name);
                                                  // empty: cuda:0 when present and not use_cpu, else cpu
   bool json = false;                             // log lines as JSON (not a Hugging Face name)
+  /// How the ranks of a data-parallel run (`mpirun -np W ...`) sum their gradients: "auto" (nccl
+  /// on CUDA, mpi on the CPU), "mpi" or "nccl" (Note [Data parallel] in train/distributed.h).
+  std::string ddp_backend = "auto";
 
   /// Throws microbatch::Error naming the first inconsistent or out-of-range argument.
   void validate() const;

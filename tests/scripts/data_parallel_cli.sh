@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# `mpirun -np 2 microbatch train ...` against one process with the same effective batch: the same
+# losses step by step (to rounding), rank 0 alone printing and writing the log, and an error on
+# the ranks ending the whole run with the message rather than hanging.
+#
+#   tests/scripts/data_parallel_cli.sh MPIRUN MICROBATCH
+set -euo pipefail
+MPIRUN="$1"
+CLI="$2"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+common=(train --model gpt --dataset synthetic --synthetic-size 96 --vocab-size 32 --block-size 16
+        --n-layer 1 --n-head 2 --n-embd 32 --max-steps 5 --logging-steps 1 --use-cpu --json
+        --gradient-accumulation-steps 2 --learning-rate 3e-3)
+
+"$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 4 --output-dir "$WORK/two" \
+  > "$WORK/two.out"
+"$CLI" "${common[@]}" --per-device-train-batch-size 8 --output-dir "$WORK/one" > "$WORK/one.out"
+
+python3 - "$WORK" <<'PY'
+import json, sys
+work = sys.argv[1]
+def steps(path):
+    out = []
+    for line in open(path):
+        j = json.loads(line)
+        if "loss" in j and "event" not in j:
+            out.append(j)
+    return out
+two, one = steps(f"{work}/two/log.jsonl"), steps(f"{work}/one/log.jsonl")
+printed = [l for l in open(f"{work}/two.out") if l.startswith("{") and '"loss"' in l and '"event"' not in l]
+assert len(two) == len(one) == 5, (len(two), len(one))
+assert len(printed) == 5, f"{len(printed)} step lines printed by the two ranks: rank 0 alone prints"
+for a, b in zip(two, one):
+    assert a["samples"] == b["samples"] and a["tokens"] == b["tokens"], (a, b)
+    assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
+    assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, b["grad_norm"]), (a, b)
+print("two processes:", [round(s["loss"], 6) for s in two])
+print("one process:  ", [round(s["loss"], 6) for s in one])
+PY
+
+# A bad argument fails on every rank, and the run ends with its message rather than hanging.
+set +e
+timeout 120 "$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 5 \
+  --gradient-accumulation-steps 3 --train-batch-size 15 --output-dir "$WORK/bad" \
+  > "$WORK/bad.out" 2>&1
+status=$?
+set -e
+if [[ $status -eq 0 || $status -eq 124 ]]; then
+  echo "FAIL: an effective batch of 15 over 2 processes exited with $status"; cat "$WORK/bad.out"; exit 1
+fi
+grep -q "train_batch_size 15 is not divisible by the 2 processes" "$WORK/bad.out" || {
+  echo "FAIL: the error was not reported"; cat "$WORK/bad.out"; exit 1; }
+echo "data_parallel_cli: ok"

@@ -1,0 +1,276 @@
+// Data-parallel training across the processes `mpirun -np 2` starts (ctest's data_parallel
+// entry): every case runs on both ranks, in step, and compares what the two trained together with
+// what one process trains alone (ProcessGroup::solo()) on the same data and windows. Sums over
+// the ranks are taken in another order than one process's sums, so weights agree to rounding;
+// the ranks themselves must agree to the bit.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "core/safetensors.h"
+#include "optim/optimizer.h"
+#include "optim/param_store.h"
+#include "tests/core/harness.h"
+#include "tests/train/trainer_fixtures.h"
+#include "train/accelerator.h"
+#include "train/distributed.h"
+#include "train/trainer.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+using namespace microbatch::train;
+namespace fs = std::filesystem;
+
+namespace {
+
+ProcessGroup& world() { return ProcessGroup::world(); }
+
+// A folder both ranks use: rank 0 makes it and sends its name to rank 1. Removed at scope exit,
+// once both are done with it.
+struct SharedDir {
+  SharedDir() {
+    Tensor name = zeros({256}, {.dtype = DType::u8});
+    if (world().is_main()) {
+      std::string pattern = (fs::temp_directory_path() / "mb_dp_XXXXXX").string();
+      REQUIRE(mkdtemp(pattern.data()) != nullptr);
+      std::copy(pattern.begin(), pattern.end(), name.data<std::uint8_t>());
+    }
+    world().broadcast(name);
+    path = reinterpret_cast<const char*>(name.data<std::uint8_t>());
+  }
+  ~SharedDir() {
+    world().barrier();
+    if (world().is_main()) fs::remove_all(path);
+  }
+  fs::path path;
+};
+
+// The largest difference between two models' parameters of the same names.
+double max_difference(const nn::StateDict& a, const nn::StateDict& b) {
+  double worst = 0.0;
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, t] : a) {
+    const Tensor d = max(abs(t.to(DType::f64) - b.at(name).to(DType::f64)));
+    worst = std::max(worst, d.item());
+  }
+  return worst;
+}
+
+// Whether every rank's parameters are rank 0's, to the bit.
+bool same_on_every_rank(const nn::StateDict& params) {
+  std::int64_t differ = 0;
+  for (const auto& [name, t] : params) {
+    Tensor mine = t.contiguous().clone();
+    Tensor theirs = mine.clone();
+    world().broadcast(theirs);
+    differ += std::memcmp(mine.raw_data(), theirs.raw_data(), mine.nbytes()) != 0;
+  }
+  return world().all_reduce_max(differ) == 0;
+}
+
+TrainOutput run(const TrainingArguments& args, const Dataset& data, ProcessGroup* group,
+                nn::StateDict* weights, const Dataset* eval = nullptr) {
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), args, data, eval, {}, group);
+  trainer.set_log_stream(&sink);
+  TrainOutput out = trainer.train();
+  if (weights) *weights = trainer.model().state_dict();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("data parallel: the world is the launcher's two processes") {
+  REQUIRE(world().size() == 2);
+  CHECK(world().local_rank() == world().rank());
+  CHECK(mpi_built());
+}
+
+TEST_CASE("data parallel: sums and broadcasts over MPI") {
+  const double r = world().rank();
+  Tensor f32 = from_vector({1.0 + r, 10.0 * (1.0 + r), -r}, {3});
+  world().all_reduce_sum(f32);
+  check_close(f32, {3.0, 30.0, -1.0}, 0, 0);
+  Tensor f64 = from_vector({0.5 + r}, {1}, {.dtype = DType::f64});
+  world().all_reduce_sum(f64);
+  check_close(f64, {2.0}, 0, 0);
+  Tensor i64 = from_vector({std::ldexp(1.0, 40) + r}, {1}, {.dtype = DType::i64});
+  world().all_reduce_sum(i64);
+  CHECK(i64.data<std::int64_t>()[0] == (std::int64_t{1} << 41) + 1);
+  CHECK(world().all_reduce_sum(0.25 + r) == 1.5);
+  CHECK(world().all_reduce_sum(std::int64_t{3}) == 6);
+  CHECK(world().all_reduce_max(static_cast<std::int64_t>(5 * r)) == 5);
+  Tensor bytes = from_vector({r, r + 1.0}, {2}, {.dtype = DType::u8});
+  world().broadcast(bytes, 1);  // rank 1's bytes everywhere
+  CHECK(bytes.data<std::uint8_t>()[0] == 1);
+  CHECK(bytes.data<std::uint8_t>()[1] == 2);
+  Tensor half = zeros({4}, {.dtype = DType::f16});
+  check_throws_with([&] { world().all_reduce_sum(half); }, "MPI cannot sum f16 tensors");
+}
+
+TEST_CASE("data parallel: the Trainer's ranks take one process's full-window steps") {
+  // 65 examples in windows of 16: four whole windows and one of a single example, which leaves
+  // rank 1 without a sample in it (it only sums). Two epochs, logged and clipped every step.
+  TensorDataset data = synthetic_images(65, 11);
+  SharedDir dir;
+  TrainingArguments parallel = small_run(dir.path / "parallel");
+  parallel.per_device_train_batch_size = 4;  // x 2 accumulation steps x 2 processes = 16
+  parallel.max_grad_norm = 0.5;
+  nn::StateDict together;
+  const TrainOutput a = run(parallel, data, nullptr, &together);
+
+  TrainingArguments alone = small_run(dir.path / fmt::format("alone-{}", world().rank()));
+  alone.per_device_train_batch_size = 8;  // x 2 accumulation steps = 16, in one process
+  alone.max_grad_norm = 0.5;
+  nn::StateDict single;
+  const TrainOutput b = run(alone, data, &ProcessGroup::solo(), &single);
+
+  CHECK(a.global_step == 10);
+  CHECK(a.global_step == b.global_step);
+  CHECK(std::abs(a.training_loss - b.training_loss) < 1e-6);
+  const double diff = max_difference(together, single);
+  INFO("largest parameter difference from one process: " << diff);
+  CHECK(diff < 1e-6);
+  CHECK(diff > 0.0);  // the sums' order differs: a run that ignored the other rank would be 0 too
+  CHECK(same_on_every_rank(together));
+
+  // Rank 0 alone wrote the log; it counts every rank's samples.
+  if (world().is_main()) {
+    std::ifstream log(dir.path / "parallel" / "log.jsonl");
+    std::string line, last;
+    int steps = 0;
+    while (std::getline(log, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("loss") && !j.contains("event")) {
+        ++steps;
+        last = line;
+      }
+    }
+    CHECK(steps == 10);
+    CHECK(nlohmann::json::parse(last).at("samples") == 130);
+    CHECK(fs::exists(dir.path / "parallel" / "model.safetensors"));
+  }
+}
+
+TEST_CASE("data parallel: a run that ignored the other rank's gradients would differ") {
+  // The check above is only worth something if the ranks' sum matters: training each rank's share
+  // alone, as if the sum were missing, moves the weights well past its tolerance.
+  TensorDataset data = synthetic_images(64, 11);
+  SharedDir dir;
+  TrainingArguments alone = small_run(dir.path / fmt::format("share-{}", world().rank()));
+  alone.per_device_train_batch_size = 8;
+  nn::StateDict single, share;
+  run(alone, data, &ProcessGroup::solo(), &single);
+  alone.output_dir = (dir.path / fmt::format("half-{}", world().rank())).string();
+  alone.per_device_train_batch_size = 4;  // half of each window, one process
+  run(alone, data, &ProcessGroup::solo(), &share);
+  CHECK(max_difference(single, share) > 1e-3);
+}
+
+TEST_CASE("data parallel: evaluation sums the ranks' shares; metrics see the whole set") {
+  TensorDataset data = synthetic_images(32, 12), eval = synthetic_images(37, 13);
+  SharedDir dir;
+  TrainingArguments args = small_run(dir.path / "parallel");
+  args.per_device_train_batch_size = 4;
+  Trainer together(small_mlp(), args, data, &eval);
+  const Metrics shared = together.evaluate();
+  args.output_dir = (dir.path / fmt::format("alone-{}", world().rank())).string();
+  args.per_device_train_batch_size = 8;
+  Trainer alone(small_mlp(), args, data, &eval, {}, &ProcessGroup::solo());
+  const Metrics whole = alone.evaluate();
+  CHECK(std::abs(shared.at("eval_loss") - whole.at("eval_loss")) < 1e-6);
+
+  // With compute_metrics each rank predicts the whole set: the metrics are one process's.
+  args.output_dir = (dir.path / "parallel").string();
+  args.per_device_train_batch_size = 4;
+  Trainer with_metrics(small_mlp(), args, data, &eval, classification_metrics);
+  args.output_dir = (dir.path / fmt::format("alone-{}", world().rank())).string();
+  args.per_device_train_batch_size = 8;
+  Trainer alone_metrics(small_mlp(), args, data, &eval, classification_metrics, &ProcessGroup::solo());
+  const Metrics m = with_metrics.evaluate(), reference = alone_metrics.evaluate();
+  CHECK(m.at("eval_accuracy") == reference.at("eval_accuracy"));
+  CHECK(std::abs(m.at("eval_loss") - reference.at("eval_loss")) < 1e-6);
+}
+
+TEST_CASE("data parallel: a checkpoint of two ranks resumes in one process") {
+  TensorDataset data = synthetic_images(64, 14);
+  SharedDir dir;
+  TrainingArguments parallel = small_run(dir.path / "parallel");
+  parallel.per_device_train_batch_size = 4;
+  parallel.max_steps = 6;
+  parallel.save_strategy = "steps";
+  parallel.save_steps = 3;
+  nn::StateDict together;
+  run(parallel, data, nullptr, &together);
+  const fs::path checkpoint = dir.path / "parallel" / "checkpoint-3";
+  REQUIRE(fs::exists(checkpoint));
+  TrainingArguments alone = small_run(dir.path / fmt::format("alone-{}", world().rank()));
+  alone.per_device_train_batch_size = 8;
+  alone.max_steps = 6;
+  alone.resume_from_checkpoint = checkpoint.string();
+  nn::StateDict resumed;
+  const TrainOutput r = run(alone, data, &ProcessGroup::solo(), &resumed);
+  CHECK(r.global_step == 6);
+  CHECK(max_difference(together, resumed) < 1e-6);
+
+  // Another effective batch would read other windows: refused, counting every rank's share.
+  alone.per_device_train_batch_size = 4;
+  alone.output_dir = (dir.path / fmt::format("other-{}", world().rank())).string();
+  check_throws_with([&] { run(alone, data, &ProcessGroup::solo(), nullptr); },
+                    "trained with an effective batch of 16, this run has 8");
+}
+
+TEST_CASE("data parallel: an effective batch that does not split evenly is refused on every rank") {
+  TensorDataset data = synthetic_images(32, 15);
+  SharedDir dir;
+  TrainingArguments args = small_run(dir.path / "parallel");
+  args.per_device_train_batch_size = 5;
+  args.gradient_accumulation_steps = 3;
+  args.train_batch_size = 15;
+  check_throws_with([&] { run(args, data, nullptr, nullptr); },
+                    "train_batch_size 15 is not divisible by the 2 processes");
+}
+
+TEST_CASE("data parallel: the Accelerator sums each window's gradients over the processes") {
+  TensorDataset data = synthetic_images(64, 16);
+  auto train_with = [&](ProcessGroup* group, std::int64_t batch, std::int64_t replicas) {
+    manual_seed(3);
+    auto model = small_mlp()();
+    Accelerator accelerator({.gradient_accumulation_steps = 2, .cpu = true, .group = group});
+    accelerator.prepare_model(*model);
+    optim::ParamStore store(*model);
+    optim::AdamW adamw(store, {.lr = 1e-3});
+    auto optimizer = accelerator.prepare(adamw);
+    DataLoader loader(data, {.batch_size = batch, .shuffle = true, .seed = 9, .prefetch = 0,
+                             .num_replicas = replicas,
+                             .rank = replicas > 1 ? accelerator.process_index() : 0});
+    WindowedLoader windows = accelerator.prepare(loader);
+    double loss_sum = 0.0;
+    while (auto b = windows.next()) {
+      auto scope = accelerator.accumulate(*b);
+      nn::ModelOutput o = model->forward(b->batch.inputs, b->batch.labels);
+      accelerator.backward(o.loss);
+      loss_sum += b->weight * o.loss.item();
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    CHECK(std::isfinite(accelerator.reduce(loss_sum)));
+    return model->state_dict();
+  };
+  const nn::StateDict together = train_with(nullptr, 4, 2);
+  const nn::StateDict single = train_with(&ProcessGroup::solo(), 8, 1);
+  CHECK(max_difference(together, single) < 1e-6);
+  CHECK(same_on_every_rank(together));
+
+  // A loader that is not this process's shard would train every process on the same batches.
+  Accelerator accelerator({.cpu = true});
+  DataLoader unsharded(data, {.batch_size = 4, .prefetch = 0});
+  check_throws_with([&] { accelerator.prepare(unsharded); },
+                    "was given a loader sharded as rank 0 of 1");
+}

@@ -1,0 +1,169 @@
+// Data-parallel training's single-process parts: the launcher's environment, sharding a loader, a
+// window and a dataset, each rank's arguments and the backend's name. The collectives themselves
+// run under `mpirun -np 2` (tests/train/test_data_parallel.cpp, ctest's data_parallel entry).
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tests/core/harness.h"
+#include "tests/train/trainer_fixtures.h"
+#include "train/distributed.h"
+#include "train/trainer.h"
+
+using namespace microbatch;
+using namespace microbatch::testing;
+using namespace microbatch::train;
+
+namespace {
+
+// Sets environment variables for its lifetime, restoring what was there.
+struct EnvGuard {
+  explicit EnvGuard(std::vector<std::pair<std::string, std::string>> values) {
+    for (auto& [name, value] : values) {
+      const char* old = std::getenv(name.c_str());
+      saved.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+      setenv(name.c_str(), value.c_str(), 1);
+    }
+  }
+  ~EnvGuard() {
+    for (auto& [name, old] : saved) {
+      if (old) {
+        setenv(name.c_str(), old->c_str(), 1);
+      } else {
+        unsetenv(name.c_str());
+      }
+    }
+  }
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+};
+
+std::vector<std::int64_t> all_indices(DataLoader& loader) {
+  std::vector<std::int64_t> out;
+  for (std::int64_t b = 0; b < loader.num_batches(); ++b) {
+    for (std::int64_t i : loader.batch_indices(b)) out.push_back(i);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("distributed: the launcher's environment gives the size, rank and local rank") {
+  {
+    EnvGuard env({{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "3"},
+                  {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
+    const LaunchInfo info = launch_info();
+    CHECK(info.size == 4);
+    CHECK(info.rank == 3);
+    CHECK(info.local_rank == 1);
+  }
+  {
+    EnvGuard env({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "2"}});
+    check_throws_with([] { launch_info(); }, "OMPI_COMM_WORLD_RANK = '2' is not a whole number in [0, 1]");
+  }
+  {
+    EnvGuard env({{"PMI_SIZE", "two"}, {"PMI_RANK", "0"}});
+    check_throws_with([] { launch_info(); }, "PMI_SIZE = 'two'");
+  }
+  // This suite runs as one process, outside any launcher.
+  CHECK(ProcessGroup::world().size() == 1);
+  CHECK(ProcessGroup::world().is_main());
+  CHECK(ProcessGroup::solo().size() == 1);
+}
+
+TEST_CASE("distributed: a world of one sums nothing and refuses no input") {
+  ProcessGroup& group = ProcessGroup::solo();
+  Tensor t = from_vector({1.0, 2.0, 3.0}, {3});
+  group.all_reduce_sum(t);
+  check_close(t, {1.0, 2.0, 3.0}, 0, 0);
+  CHECK(group.all_reduce_sum(2.5) == 2.5);
+  CHECK(group.all_reduce_sum(std::int64_t{7}) == 7);
+  CHECK(group.all_reduce_max(std::int64_t{7}) == 7);
+  group.broadcast(t);
+  check_close(t, {1.0, 2.0, 3.0}, 0, 0);
+  Tensor strided = from_vector({1.0, 2.0, 3.0, 4.0}, {2, 2}).transpose(0, 1);
+  check_throws_with([&] { group.all_reduce_sum(strided); }, "needs a contiguous tensor");
+  check_throws_with([&] { group.broadcast(t, 1); }, "broadcast from rank 1 in a world of 1");
+  check_throws_with([&] { group.use(DdpBackend::Mpi, cuda_device(0)); }, "sums host memory");
+  check_throws_with([&] { group.use(DdpBackend::Nccl, kCPU); }, "sums CUDA device memory");
+}
+
+TEST_CASE("distributed: ddp_backend names") {
+  ProcessGroup& one = ProcessGroup::solo();
+  CHECK(parse_ddp_backend("auto", one, kCPU) == DdpBackend::None);
+  CHECK(parse_ddp_backend("", one, cuda_device(0)) == DdpBackend::None);
+  CHECK(parse_ddp_backend("mpi", one, kCPU) == DdpBackend::Mpi);
+  CHECK(parse_ddp_backend("nccl", one, cuda_device(0)) == DdpBackend::Nccl);
+  check_throws_with([&] { parse_ddp_backend("gloo", one, kCPU); }, "must be auto, mpi or nccl, got 'gloo'");
+  TrainingArguments args;
+  args.ddp_backend = "gloo";
+  check_throws_with([&] { args.validate(); }, "ddp_backend must be auto, mpi or nccl, got 'gloo'");
+  args.ddp_backend = "nccl";
+  args.validate();
+  CHECK(TrainingArguments::from_json(args.to_json()).ddp_backend == "nccl");
+}
+
+TEST_CASE("distributed: a window's shares partition it, in the ranks' turn") {
+  const std::vector<std::int64_t> window{10, 11, 12, 13, 14, 15, 16};
+  CHECK(window_share(window, 0, 3) == std::vector<std::int64_t>{10, 13, 16});
+  CHECK(window_share(window, 1, 3) == std::vector<std::int64_t>{11, 14});
+  CHECK(window_share(window, 2, 3) == std::vector<std::int64_t>{12, 15});
+  CHECK(window_share({5}, 1, 2).empty());  // a short last window leaves a rank without samples
+  CHECK(window_share(window, 0, 1) == window);
+  for (int size = 1; size <= 5; ++size) {
+    std::int64_t total = 0;
+    for (int rank = 0; rank < size; ++rank) total += share_size(7, rank, size);
+    CHECK(total == 7);
+  }
+  check_throws_with([] { share_size(7, 2, 2); }, "rank 2 of 2");
+}
+
+TEST_CASE("distributed: a sharded DataLoader pads as DistributedSampler and splits the epoch") {
+  TensorDataset data = synthetic_images(10, 3);
+  DataLoader whole(data, {.batch_size = 100, .shuffle = true, .seed = 5, .prefetch = 0});
+  whole.set_epoch(1);
+  const std::vector<std::int64_t> order = all_indices(whole);
+  std::set<std::int64_t> seen;
+  for (std::int64_t rank = 0; rank < 3; ++rank) {
+    DataLoader shard(data, {.batch_size = 3, .shuffle = true, .seed = 5, .prefetch = 0,
+                            .num_replicas = 3, .rank = rank});
+    shard.set_epoch(1);
+    CHECK(shard.samples_per_epoch() == 4);  // ceil(10 / 3), the order padded to 12
+    CHECK(shard.num_batches() == 2);
+    const std::vector<std::int64_t> mine = all_indices(shard);
+    REQUIRE(mine.size() == 4);
+    for (std::int64_t i = 0; i < 4; ++i) {
+      // Position rank + 3i of the padded order; positions 10 and 11 repeat its first two.
+      CHECK(mine[i] == order[(rank + 3 * i) % 10]);
+      seen.insert(mine[i]);
+    }
+  }
+  CHECK(seen.size() == 10);
+  check_throws_with([&] { DataLoader bad(data, {.batch_size = 2, .num_replicas = 2, .rank = 2}); },
+                    "rank 2 of num_replicas 2");
+}
+
+TEST_CASE("distributed: a dataset shard holds the rank's examples") {
+  TensorDataset data = synthetic_images(5, 4);
+  DatasetShard shard(data, 1, 2);
+  CHECK(shard.size() == 2);
+  check_close(shard.get(1).input, data.get(3).input, 0, 0);
+  check_throws_with([&] { shard.get(2); }, "index 2 out of range");
+  check_throws_with([&] { DatasetShard bad(data, 2, 2); }, "rank 2 of 2");
+}
+
+TEST_CASE("distributed: each rank's arguments hold its share of the effective batch") {
+  TrainingArguments args{.per_device_train_batch_size = 4, .gradient_accumulation_steps = 2};
+  // Hugging Face's count: per device x accumulation steps on each rank, that x world in all.
+  CHECK(rank_arguments(args, 2).train_batch_size == 0);
+  args.train_batch_size = 16;
+  args.gradient_accumulation_steps = 1;
+  CHECK(rank_arguments(args, 2).train_batch_size == 8);
+  CHECK(rank_arguments(args, 1).train_batch_size == 16);
+  args.train_batch_size = 15;
+  check_throws_with([&] { rank_arguments(args, 2); },
+                    "train_batch_size 15 is not divisible by the 2 processes");
+}

@@ -1,0 +1,370 @@
+#include "train/distributed.h"
+
+#include <algorithm>
+#include <charconv>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <optional>
+#include <string_view>
+
+#include "core/error.h"
+
+#ifdef MB_HAVE_MPI
+// The C interface alone: Open MPI's and MPICH's C++ bindings are deprecated and warn.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+#endif
+#ifdef MB_HAVE_NCCL
+#include <nccl.h>
+
+#include "kernels/cuda/runtime.h"
+#endif
+
+namespace microbatch::train {
+
+const char* ddp_backend_name(DdpBackend backend) {
+  switch (backend) {
+    case DdpBackend::None: return "no";
+    case DdpBackend::Mpi: return "mpi";
+    case DdpBackend::Nccl: return "nccl";
+  }
+  return "?";
+}
+
+bool mpi_built() {
+#ifdef MB_HAVE_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool nccl_built() {
+#ifdef MB_HAVE_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+// The first of `names` set in the environment, as a whole number in [lo, hi]; nullopt when none is.
+std::optional<int> env_int(std::initializer_list<const char*> names, int lo, int hi) {
+  for (const char* name : names) {
+    const char* text = std::getenv(name);
+    if (text == nullptr) continue;
+    const std::string_view s(text);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+    MB_CHECK(ec == std::errc() && end == s.data() + s.size() && value >= lo && value <= hi,
+             "[distributed] the launcher's {} = '{}' is not a whole number in [{}, {}]", name, s, lo,
+             hi);
+    return value;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+LaunchInfo launch_info() {
+  LaunchInfo info;
+  const std::optional<int> size = env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1, INT_MAX);
+  if (!size) return info;
+  info.size = *size;
+  info.rank = env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0, info.size - 1).value_or(0);
+  info.local_rank =
+      env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}, 0, info.size - 1).value_or(info.rank);
+  return info;
+}
+
+#ifdef MB_HAVE_NCCL
+struct ProcessGroup::Nccl {
+  ncclComm_t comm = nullptr;
+  int device = 0;
+  ~Nccl() {
+    if (comm != nullptr) ncclCommDestroy(comm);
+  }
+};
+
+#define MB_NCCL_CHECK(call)                                                                     \
+  do {                                                                                          \
+    ncclResult_t mb_result_ = (call);                                                           \
+    MB_CHECK(mb_result_ == ncclSuccess, "[distributed] {} failed: {}", #call,                   \
+             ncclGetErrorString(mb_result_));                                                   \
+  } while (0)
+#else
+struct ProcessGroup::Nccl {};
+#endif
+
+ProcessGroup& ProcessGroup::world() {
+  static ProcessGroup group;
+  static const bool made = [] {
+    const LaunchInfo info = launch_info();
+    if (info.size == 1) return true;
+#ifdef MB_HAVE_MPI
+    int started = 0;
+    MPI_Initialized(&started);
+    if (!started) {
+      MPI_Init(nullptr, nullptr);
+      group.mpi_started_ = true;
+    }
+    int size = 0, rank = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MB_CHECK(size == info.size && rank == info.rank,
+             "[distributed] the launcher says rank {} of {}, MPI says rank {} of {}", info.rank,
+             info.size, rank, size);
+#else
+    MB_CHECK(false,
+             "[distributed] launched as rank {} of {} processes, but this build has no MPI "
+             "(install libopenmpi-dev and rebuild, or run one process)",
+             info.rank, info.size);
+#endif
+    group.size_ = info.size;
+    group.rank_ = info.rank;
+    group.local_rank_ = info.local_rank;
+    return true;
+  }();
+  (void)made;
+  return group;
+}
+
+ProcessGroup& ProcessGroup::solo() {
+  static ProcessGroup group;
+  return group;
+}
+
+ProcessGroup::~ProcessGroup() {
+  nccl_.reset();
+#ifdef MB_HAVE_MPI
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (mpi_started_ && !finalized) MPI_Finalize();
+#endif
+}
+
+void ProcessGroup::use(DdpBackend backend, Device device) {
+  if (backend == DdpBackend::None) {
+    MB_CHECK(size_ == 1, "[distributed] no backend in a world of {} processes: their gradients "
+             "would never be summed", size_);
+    backend_ = backend;
+    return;
+  }
+  if (backend == DdpBackend::Mpi) {
+    MB_CHECK(device.is_cpu(), "[distributed] ddp_backend = mpi sums host memory, and training is "
+             "on {}: use ddp_backend = nccl, or train on the CPU", device.str());
+    backend_ = backend;
+    return;
+  }
+  MB_CHECK(device.is_cuda(), "[distributed] ddp_backend = nccl sums CUDA device memory, and "
+           "training is on {}: use ddp_backend = mpi", device.str());
+#ifdef MB_HAVE_NCCL
+  if (nccl_ && nccl_->device == device.index) {
+    backend_ = backend;
+    return;
+  }
+  nccl_.reset();
+  ncclUniqueId id{};
+  if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
+  if (size_ > 1) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+  MB_CUDA_CHECK(cudaSetDevice(device.index));
+  auto nccl = std::make_unique<Nccl>();
+  nccl->device = device.index;
+  MB_NCCL_CHECK(ncclCommInitRank(&nccl->comm, size_, id, rank_));
+  nccl_ = std::move(nccl);
+  backend_ = backend;
+#else
+  MB_CHECK(false, "[distributed] ddp_backend = nccl, but this build has no NCCL (a CUDA build "
+           "with MPI links it where the CUDA folder holds libnccl)");
+#endif
+}
+
+namespace {
+
+#ifdef MB_HAVE_MPI
+MPI_Datatype mpi_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return MPI_FLOAT;
+    case DType::f64: return MPI_DOUBLE;
+    case DType::i64: return MPI_INT64_T;
+    default: break;
+  }
+  MB_CHECK(false, "[distributed] MPI cannot sum {} tensors (f32, f64 and i64 only): keep "
+           "gradients in f32 (gradient_accumulation_dtype = f32)", dtype_name(dtype));
+  return MPI_DATATYPE_NULL;
+}
+#endif
+
+#ifdef MB_HAVE_NCCL
+ncclDataType_t nccl_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return ncclFloat32;
+    case DType::f64: return ncclFloat64;
+    case DType::f16: return ncclFloat16;
+    case DType::bf16: return ncclBfloat16;
+    case DType::i64: return ncclInt64;
+    default: break;
+  }
+  MB_CHECK(false, "[distributed] NCCL cannot sum {} tensors", dtype_name(dtype));
+  return ncclFloat32;
+}
+#endif
+
+// Elements per MPI call: the counts are ints, and a few large buckets keep every call long.
+constexpr std::int64_t kBucket = std::int64_t{1} << 26;
+
+void check_collective_tensor(const Tensor& t, const char* what) {
+  MB_CHECK(t.defined(), "[distributed] {} of an undefined tensor", what);
+  MB_CHECK(t.is_contiguous(), "[distributed] {} needs a contiguous tensor, got shape {}", what,
+           shape_str(t.shape()));
+}
+
+}  // namespace
+
+void ProcessGroup::all_reduce_sum(Tensor& t) {
+  check_collective_tensor(t, "all_reduce_sum");
+  if (size_ == 1 || t.numel() == 0) return;
+  if (t.device().is_cuda()) {
+#ifdef MB_HAVE_NCCL
+    MB_CHECK(nccl_ && nccl_->device == t.device().index,
+             "[distributed] summing a tensor on {} needs ddp_backend = nccl on that device",
+             t.device().str());
+    MB_CUDA_CHECK(cudaSetDevice(t.device().index));
+    MB_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.numel()),
+                                nccl_type(t.dtype()), ncclSum, nccl_->comm,
+                                kernels::cuda::current_stream()));
+    return;
+#else
+    MB_CHECK(false, "[distributed] summing a tensor on {} needs NCCL, which this build lacks",
+             t.device().str());
+#endif
+  }
+  MB_CHECK(t.device().is_cpu(), "[distributed] cannot sum a tensor on {}", t.device().str());
+#ifdef MB_HAVE_MPI
+  const MPI_Datatype type = mpi_type(t.dtype());
+  char* p = static_cast<char*>(t.raw_data());
+  const std::size_t elem = dtype_size(t.dtype());
+  for (std::int64_t at = 0; at < t.numel(); at += kBucket) {
+    const std::int64_t n = std::min(kBucket, t.numel() - at);
+    MPI_Allreduce(MPI_IN_PLACE, p + static_cast<std::size_t>(at) * elem, static_cast<int>(n), type,
+                  MPI_SUM, MPI_COMM_WORLD);
+  }
+#endif
+}
+
+double ProcessGroup::all_reduce_sum(double value) {
+#ifdef MB_HAVE_MPI
+  if (size_ > 1) MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+#endif
+  return value;
+}
+
+std::int64_t ProcessGroup::all_reduce_sum(std::int64_t value) {
+#ifdef MB_HAVE_MPI
+  if (size_ > 1) MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+#endif
+  return value;
+}
+
+std::int64_t ProcessGroup::all_reduce_max(std::int64_t value) {
+#ifdef MB_HAVE_MPI
+  if (size_ > 1) MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+#endif
+  return value;
+}
+
+void ProcessGroup::broadcast(Tensor& t, int root) {
+  check_collective_tensor(t, "broadcast");
+  MB_CHECK(root >= 0 && root < size_, "[distributed] broadcast from rank {} in a world of {}", root,
+           size_);
+  if (size_ == 1 || t.numel() == 0) return;
+  if (t.device().is_cuda()) {
+#ifdef MB_HAVE_NCCL
+    MB_CHECK(nccl_ && nccl_->device == t.device().index,
+             "[distributed] broadcasting a tensor on {} needs ddp_backend = nccl on that device",
+             t.device().str());
+    MB_CUDA_CHECK(cudaSetDevice(t.device().index));
+    MB_NCCL_CHECK(ncclBroadcast(t.raw_data(), t.raw_data(), t.nbytes(), ncclUint8, root,
+                                nccl_->comm, kernels::cuda::current_stream()));
+    return;
+#else
+    MB_CHECK(false, "[distributed] broadcasting a tensor on {} needs NCCL, which this build lacks",
+             t.device().str());
+#endif
+  }
+  MB_CHECK(t.device().is_cpu(), "[distributed] cannot broadcast a tensor on {}", t.device().str());
+#ifdef MB_HAVE_MPI
+  char* p = static_cast<char*>(t.raw_data());
+  const std::size_t total = t.nbytes(), bucket = static_cast<std::size_t>(kBucket);
+  for (std::size_t at = 0; at < total; at += bucket) {
+    MPI_Bcast(p + at, static_cast<int>(std::min(bucket, total - at)), MPI_BYTE, root,
+              MPI_COMM_WORLD);
+  }
+#endif
+}
+
+void ProcessGroup::abort_if_distributed(int code) {
+#ifdef MB_HAVE_MPI
+  int started = 0, finalized = 0;
+  MPI_Initialized(&started);
+  MPI_Finalized(&finalized);
+  if (started && !finalized && launch_info().size > 1) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+}
+
+void ProcessGroup::barrier() {
+#ifdef MB_HAVE_MPI
+  if (size_ > 1) MPI_Barrier(MPI_COMM_WORLD);
+#endif
+}
+
+Device rank_device(const ProcessGroup& group, Device device) {
+  if (group.size() == 1 || !device.is_cuda()) return device;
+  const int count = cuda_device_count();
+  MB_CHECK(group.local_rank() < count,
+           "[distributed] rank {} is local rank {} on this machine, which has {} CUDA device(s): "
+           "start at most one process per GPU", group.rank(), group.local_rank(), count);
+  return cuda_device(group.local_rank());
+}
+
+DdpBackend default_ddp_backend(const ProcessGroup& group, Device device) {
+  if (group.size() == 1) return DdpBackend::None;
+  return device.is_cuda() ? DdpBackend::Nccl : DdpBackend::Mpi;
+}
+
+DdpBackend parse_ddp_backend(const std::string& name, const ProcessGroup& group, Device device) {
+  if (name.empty() || name == "auto") return default_ddp_backend(group, device);
+  if (name == "mpi") return DdpBackend::Mpi;
+  if (name == "nccl") return DdpBackend::Nccl;
+  MB_CHECK(false, "[distributed] ddp_backend must be auto, mpi or nccl, got '{}'", name);
+  return DdpBackend::None;
+}
+
+std::int64_t share_size(std::int64_t n, int rank, int size) {
+  MB_CHECK(size >= 1 && rank >= 0 && rank < size, "[distributed] rank {} of {}", rank, size);
+  return n / size + (rank < n % size ? 1 : 0);
+}
+
+std::vector<std::int64_t> window_share(const std::vector<std::int64_t>& window, int rank, int size) {
+  const auto n = static_cast<std::int64_t>(window.size());
+  std::vector<std::int64_t> share;
+  share.reserve(static_cast<std::size_t>(share_size(n, rank, size)));
+  for (std::int64_t i = rank; i < n; i += size) share.push_back(window[static_cast<std::size_t>(i)]);
+  return share;
+}
+
+DatasetShard::DatasetShard(const Dataset& base, int rank, int size)
+    : base_(base), rank_(rank), size_(size) {
+  MB_CHECK(size >= 1 && rank >= 0 && rank < size, "[DatasetShard] rank {} of {}", rank, size);
+}
+
+Example DatasetShard::get(std::int64_t index) const {
+  check_index(index, "DatasetShard");
+  return base_.get(rank_ + index * size_);
+}
+
+}  // namespace microbatch::train

@@ -1,0 +1,136 @@
+// Data-parallel training: the processes a run was launched with, and the few collectives it needs.
+//
+// Note [Data parallel]: `mpirun -np W microbatch train ...` starts W copies of a run; each finds
+// its place (rank r of W) here, and the world is made once, on first use, from the launcher's
+// environment (Open MPI's OMPI_COMM_WORLD_SIZE, or PMI_SIZE for MPICH and Slurm). A process not
+// started by a launcher is a world of one, and nothing here costs it anything.
+//
+// Every rank holds the whole model and reads the same global order of samples. The Trainer cuts
+// each window of the effective batch into W shares (rank r takes the window's samples r, r + W,
+// r + 2W, ...) and weighs each micro-batch by its share of the whole window's loss-bearing items,
+// which every rank counts from the labels alone (Note [Exact accumulation] in
+// train/accelerator.h). So the ranks' gradients add up to the full window's mean-loss gradient,
+// and one sum over the ranks per window, never per micro-batch, gives every rank the gradient a
+// single process would have: the same step follows on each, to rounding (the sum is taken in
+// another order). The sum, the window's loss and the evaluation's loss are the collectives of a
+// step; the boundary step itself (norm, clip, found_inf, AdamW, the loss scale) then runs on
+// identical gradients on every rank and needs none.
+//
+// Backends (TrainingArguments::ddp_backend, Hugging Face's name): "mpi" sums host memory with
+// MPI_Allreduce, so it serves CPU training; "nccl" sums device memory with ncclAllReduce on the
+// current stream (no host synchronisation), so it serves CUDA training, rank r on cuda:(local
+// rank). A build without MPI runs worlds of one only, and a build without NCCL trains on the GPU
+// alone. A failure on one rank ends the run on every rank: the launcher stops the others when one
+// process exits without finishing MPI.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "train/data.h"
+
+namespace microbatch::train {
+
+/// How the ranks' tensors are summed: Mpi (host memory), Nccl (CUDA device memory), or None for a
+/// world of one.
+enum class DdpBackend { None, Mpi, Nccl };
+const char* ddp_backend_name(DdpBackend backend);
+
+/// Whether this build can run worlds of more than one process (MPI), and sum on a GPU (NCCL).
+bool mpi_built();
+bool nccl_built();
+
+/// The size, rank and local rank the launcher gave this process, from its environment alone (no
+/// MPI call): {1, 0, 0} without a launcher. Malformed values are an error naming the variable.
+struct LaunchInfo {
+  int size = 1;
+  int rank = 0;
+  int local_rank = 0;
+};
+LaunchInfo launch_info();
+
+class ProcessGroup {
+ public:
+  /// The processes this one was launched with (Note [Data parallel]); made on the first call. A
+  /// world of more than one in a build without MPI is an error.
+  static ProcessGroup& world();
+  /// A world of this process alone, whatever the launcher said: to train on one rank what the
+  /// whole world trains together (a reference for a data-parallel run), or to keep a model apart.
+  static ProcessGroup& solo();
+
+  int size() const { return size_; }
+  int rank() const { return rank_; }
+  /// The rank among the processes on this machine: the CUDA device a rank trains on.
+  int local_rank() const { return local_rank_; }
+  bool is_main() const { return rank_ == 0; }
+
+  /// Makes `backend` ready for tensors on `device` (NCCL: one communicator, on that device).
+  /// Refuses a backend that cannot sum that device's memory, or one this build lacks.
+  void use(DdpBackend backend, Device device);
+  DdpBackend backend() const { return backend_; }
+
+  /// Sums a contiguous tensor over the ranks, in place (f32, f64, f16, bf16, i64; on the CPU over
+  /// MPI, on CUDA over NCCL). Every rank must call it, with the same shape and dtype.
+  void all_reduce_sum(Tensor& t);
+  /// Sums a host value over the ranks (MPI; a world of one returns it).
+  double all_reduce_sum(double value);
+  std::int64_t all_reduce_sum(std::int64_t value);
+  std::int64_t all_reduce_max(std::int64_t value);
+  /// Copies rank `root`'s bytes of a contiguous tensor into every rank's.
+  void broadcast(Tensor& t, int root = 0);
+  void barrier();
+  /// After an error on this rank: ends every rank of a world of more than one (MPI_Abort), which
+  /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
+  /// or before the world was made.
+  static void abort_if_distributed(int code);
+
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+ private:
+  ProcessGroup() = default;
+  struct Nccl;
+  int size_ = 1;
+  int rank_ = 0;
+  int local_rank_ = 0;
+  bool mpi_started_ = false;  // this process called MPI_Init, and finalizes it
+  DdpBackend backend_ = DdpBackend::None;
+  std::unique_ptr<Nccl> nccl_;
+};
+
+/// Where this rank trains when `device` was asked for: in a world of more than one a CUDA device
+/// becomes cuda:(local rank), which must be present; anything else stays as asked.
+Device rank_device(const ProcessGroup& group, Device device);
+
+/// The default backend for training on `device`: None in a world of one, else Nccl on CUDA and
+/// Mpi on the CPU.
+DdpBackend default_ddp_backend(const ProcessGroup& group, Device device);
+/// "auto" (or empty), "mpi" or "nccl" (Hugging Face's ddp_backend).
+DdpBackend parse_ddp_backend(const std::string& name, const ProcessGroup& group, Device device);
+
+/// How many of `n` samples are rank `rank`'s in a world of `size`: positions rank, rank + size, ...
+/// (the ranks' shares differ by at most one).
+std::int64_t share_size(std::int64_t n, int rank, int size);
+
+/// Rank `rank`'s share of a window's samples: its entries at positions rank, rank + size, ...
+std::vector<std::int64_t> window_share(const std::vector<std::int64_t>& window, int rank, int size);
+
+/// A rank's share of a dataset, by the same rule: example i is the base's rank + i * size. The base
+/// must outlive it. Evaluation reads such a share on each rank and sums the losses.
+class DatasetShard : public Dataset {
+ public:
+  DatasetShard(const Dataset& base, int rank, int size);
+  std::int64_t size() const override { return share_size(base_.size(), rank_, size_); }
+  Example get(std::int64_t index) const override;
+
+ private:
+  const Dataset& base_;
+  int rank_;
+  int size_;
+};
+
+}  // namespace microbatch::train
