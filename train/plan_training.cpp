@@ -12,6 +12,7 @@
 
 #include "core/rng.h"
 #include "train/checkpoint.h"
+#include "train/distributed.h"
 #include "train/trainer.h"
 #include "train/windows.h"
 
@@ -56,15 +57,20 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
 // it first meets them, stretches with the same sequence given once; a resumed run starts a
 // stretch at the window it resumes at. Packed within `token_budget`
 // padded tokens, or `micro` rows to a micro-batch when token_budget is 0. The windows are the
-// Trainer's: the loader's batches of `effective` samples, shuffled with `seed` (Note [Mixed
-// lengths] in train/planner.cpp).
+// Trainer's: the loader's batches of `effective` samples from each of `world` ranks, shuffled
+// with `seed`, of which `rank` takes its share (Note [Mixed lengths] in train/planner.cpp; Note
+// [Data parallel] in train/distributed.h).
+struct RankWindows {
+  std::int64_t effective = 0;  // samples a window gives each rank
+  int world = 1;
+  int rank = 0;
+};
 std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
-                                                 const TrainingArguments& args,
-                                                 std::int64_t effective, std::int64_t micro,
-                                                 std::int64_t token_budget) {
-  DataLoader loader(data,
-                    {.batch_size = effective, .shuffle = true, .seed = args.seed, .prefetch = 0});
+                                                 const TrainingArguments& args, RankWindows windows_of,
+                                                 std::int64_t micro, std::int64_t token_budget) {
+  DataLoader loader(data, {.batch_size = windows_of.effective * windows_of.world, .shuffle = true,
+                           .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
   // The run's windows as train() counts them (max_steps, else the epochs'), the first
   // kWindowsScanned of them.
@@ -90,7 +96,8 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
   for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
     if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretch();
     if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
-    const std::vector<std::int64_t> indices = loader.batch_indices(w % per_epoch);
+    const std::vector<std::int64_t> indices =
+        window_share(loader.batch_indices(w % per_epoch), windows_of.rank, windows_of.world);
     if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
     std::vector<std::int64_t> window_lengths;
     for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
@@ -112,7 +119,7 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
 }  // namespace
 
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
-                         const Dataset& train_set, Device device) {
+                         const Dataset& train_set, Device device, int world, int rank) {
   BatchTriad triad = resolve_batch_triad(args);
   MB_CHECK(train_set.size() > 0, "[plan_training] the training set is empty");
   if (triad.effective > train_set.size()) {
@@ -195,7 +202,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
     // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
     config.packed_shapes = [&](std::int64_t n) {
-      return run_shapes(train_set, lengths, args, triad.effective, n,
+      return run_shapes(train_set, lengths, args, {triad.effective, world, rank}, n,
                         args.pack_by_tokens ? n * longest_length : 0);
     };
     // Rows of the shape's length, each read afresh as the training loop reads them.

@@ -80,7 +80,8 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
 
 
 MemoryPlan Trainer::make_plan() {
-  return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_);
+  return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_,
+                       group_->size(), group_->rank());
 }
 
 TrainingArguments rank_arguments(const TrainingArguments& args, int world) {

@@ -50,9 +50,11 @@ TrainingArguments rank_arguments(const TrainingArguments& args, int world);
 
 /// The micro-batch schedule a Trainer with these arguments uses on `device`: planned on the meta
 /// device against memory_budget when one is set, else args' own split. It touches no device, so a
-/// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`).
+/// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`). In a
+/// data-parallel run each rank plans with rank_arguments(), on `rank`'s shares of the `world`
+/// ranks' windows (whose sequences' lengths are its micro-batches' shapes).
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args, const Dataset& train_set,
-                         Device device);
+                         Device device, int world = 1, int rank = 0);
 
 struct TrainOutput {
   std::int64_t global_step = 0;

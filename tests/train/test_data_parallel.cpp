@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -156,6 +157,99 @@ TEST_CASE("data parallel: the Trainer's ranks take one process's full-window ste
     CHECK(nlohmann::json::parse(last).at("samples") == 130);
     CHECK(fs::exists(dir.path / "parallel" / "model.safetensors"));
   }
+}
+
+TEST_CASE("data parallel: token sequences of different lengths weigh by the window's tokens") {
+  // Padded labels carry no loss, so the ranks' shares of a window hold different numbers of tokens:
+  // each micro-batch must be weighed by its share of the whole window's tokens, not of its rank's.
+  // In f64 the sum's other order leaves only the last bits.
+  std::vector<std::int64_t> lengths;
+  for (int i = 0; i < 40; ++i) lengths.push_back(2 + (i * 7) % 15);
+  Sequences data(lengths, 13);
+  SharedDir dir;
+  auto train_gpt = [&](TrainingArguments args, ProcessGroup* group) {
+    std::ostringstream sink;
+    Trainer trainer(f64_gpt(13), args, data, nullptr, {}, group);
+    trainer.set_log_stream(&sink);
+    const TrainOutput out = trainer.train();
+    return std::make_pair(out, trainer.model().state_dict());
+  };
+  TrainingArguments parallel = small_run(dir.path / "parallel");
+  parallel.per_device_train_batch_size = 3;  // x 2 x 2 processes = windows of 12
+  TrainingArguments alone = small_run(dir.path / fmt::format("alone-{}", world().rank()));
+  alone.per_device_train_batch_size = 6;
+  const auto [a, together] = train_gpt(parallel, nullptr);
+  const auto [b, single] = train_gpt(alone, &ProcessGroup::solo());
+  CHECK(a.global_step == 8);
+  CHECK(std::abs(a.training_loss - b.training_loss) < 1e-12);
+  const double diff = max_difference(together, single);
+  INFO("largest parameter difference from one process: " << diff);
+  CHECK(diff < 1e-12);
+  CHECK(same_on_every_rank(together));
+}
+
+TEST_CASE("data parallel: each rank plans its own shares of the windows against the budget") {
+  // Sequences of 4 and 16 tokens, packed by tokens under a budget that fits 4 short sequences:
+  // each rank plans its share of the effective batch (its plan replays its own shares of the
+  // windows), no micro-batch runs out of memory on either rank, and the weights are one process's
+  // without a budget. (The plan here is the same had it replayed one process's windows: planned at
+  // the longest sequence, it does not tell the two apart.)
+  std::vector<std::int64_t> lengths(48, 4);
+  for (int i = 5; i < 48; i += 3) lengths[i] = 16;
+  Sequences data(lengths, 13);
+  std::vector<std::int64_t> short_lengths(4, 4);
+  Sequences short_data(short_lengths, 13);
+  const std::int64_t budget = budget_for_window(f64_gpt(13), short_data, 4);
+  SharedDir dir;
+  auto train_gpt = [&](TrainingArguments args, ProcessGroup* group) {
+    std::ostringstream sink;
+    empty_cache(kCPU);
+    Trainer trainer(f64_gpt(13), args, data, nullptr, {}, group);
+    trainer.set_log_stream(&sink);
+    const TrainOutput out = trainer.train();
+    clear_memory_budget(kCPU);
+    return std::make_pair(out, trainer.model().state_dict());
+  };
+  TrainingArguments parallel = small_run(dir.path / "parallel");
+  parallel.per_device_train_batch_size = kAutoBatch;
+  parallel.gradient_accumulation_steps = 1;
+  parallel.train_batch_size = 16;  // 8 a rank
+  parallel.memory_budget = budget;
+  const auto [a, together] = train_gpt(parallel, nullptr);
+  CHECK(a.oom_splits == 0);
+  CHECK(world().all_reduce_sum(a.oom_splits) == 0);
+  TrainingArguments alone = small_run(dir.path / fmt::format("alone-{}", world().rank()));
+  alone.per_device_train_batch_size = 16;
+  alone.gradient_accumulation_steps = 1;
+  const auto [b, single] = train_gpt(alone, &ProcessGroup::solo());
+  CHECK(max_difference(together, single) < 1e-12);
+}
+
+TEST_CASE("data parallel: under fp16 an overflow on one rank skips the step on every rank") {
+  // One poisoned image: the window holding it overflows on the rank that reads it, and after the
+  // sum on both, so both skip its step (the scale backs off on both) as one process does.
+  manual_seed(21);
+  Tensor x = rand({64, 28, 28});
+  {
+    NoGradGuard no_grad;
+    x.select(0, 5).fill_(std::numeric_limits<double>::infinity());
+  }
+  TensorDataset data(x, (rand({64}) * 10.0).to(DType::i64));
+  SharedDir dir;
+  TrainingArguments parallel = small_run(dir.path / "parallel");
+  parallel.per_device_train_batch_size = 4;
+  parallel.fp16 = true;
+  nn::StateDict together, single;
+  const TrainOutput a = run(parallel, data, nullptr, &together);
+  TrainingArguments alone = small_run(dir.path / fmt::format("alone-{}", world().rank()));
+  alone.per_device_train_batch_size = 8;
+  alone.fp16 = true;
+  const TrainOutput b = run(alone, data, &ProcessGroup::solo(), &single);
+  CHECK(a.skipped_steps == 2);  // the poisoned window of each epoch
+  CHECK(a.skipped_steps == b.skipped_steps);
+  CHECK(world().all_reduce_max(a.skipped_steps) == world().all_reduce_sum(a.skipped_steps) / 2);
+  CHECK(max_difference(together, single) < 1e-3);  // f16 working weights: one rounding apart at most
+  CHECK(same_on_every_rank(together));
 }
 
 TEST_CASE("data parallel: a run that ignored the other rank's gradients would differ") {
