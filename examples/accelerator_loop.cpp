@@ -19,8 +19,12 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
   optim::LRScheduler constant(adamw, {.type = optim::ScheduleType::Constant});
   auto optimizer = accelerator.prepare(adamw);
   auto scheduler = accelerator.prepare(constant);
+  // Each process's share of every epoch (one process: the whole of it), so that the same program
+  // trains data-parallel under `mpirun -np W` (README: Data-parallel training).
   train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
-                                  .seed = config.seed});
+                                  .seed = config.seed,
+                                  .num_replicas = accelerator.num_processes(),
+                                  .rank = accelerator.process_index()});
   // An epoch's end closes the window; set_epoch() starts the next one. Refuses an empty loader.
   train::WindowedLoader batches = accelerator.prepare(loader);
   std::int64_t epoch = 0;
