@@ -480,9 +480,13 @@ int main(int argc, char** argv) {
   try {
     for (const CLI::App* cmd : {train_cmd, plan_cmd, check_cmd})
       if (cmd->parsed()) refuse_missing_values(*cmd);
-    if (train_cmd->parsed()) return run_train(train);
-    if (plan_cmd->parsed()) return run_plan(plan);
-    if (check_cmd->parsed()) return run_check_accumulation(dtypes, json);
+    int status = 0;
+    if (train_cmd->parsed()) status = run_train(train);
+    if (plan_cmd->parsed()) status = run_plan(plan);
+    if (check_cmd->parsed()) status = run_check_accumulation(dtypes, json);
+    // A data-parallel run's MPI and NCCL end here, while everything they use is still alive.
+    if (train_cmd->parsed()) mb::train::ProcessGroup::world().finalize();
+    return status;
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message
     // and an exit status, never an abort.

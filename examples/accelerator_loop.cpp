@@ -59,7 +59,9 @@ int main() {
   manual_seed(0);
   nn::MLP model({.in_features = 784, .hidden = {128}, .num_classes = 10});
   auto data = examples::example_dataset();
-  const Device device = cuda_available() ? cuda_device(0) : kCPU;
+  // Under `mpirun -np W` each process takes its own GPU (cuda:<local rank>).
+  const Device device =
+      train::rank_device(train::ProcessGroup::world(), cuda_available() ? cuda_device(0) : kCPU);
   std::vector<double> losses = examples::train_with_accelerator(model, *data, {.device = device});
   std::cout << "accelerator on " << device.str() << ": " << losses.size()
             << " micro-batches, first loss " << losses.front() << ", last loss " << losses.back()

@@ -62,6 +62,15 @@ bool WindowedLoader::read_window() {
     if (!b) break;
     pending_.push_back(std::move(*b));
   }
+  if (group_ != nullptr) {
+    // Every process's source must end together: one whose data ran out would leave the others
+    // waiting for it in the window's sum.
+    const std::int64_t with_window = group_->all_reduce_sum(std::int64_t{pending_.empty() ? 0 : 1});
+    MB_CHECK(with_window == 0 || with_window == group_->size(),
+             "[Accelerator] {} of the {} processes have a window to train on and the others' data "
+             "has run out: every process's loader must give as many batches (shard it with "
+             ".num_replicas and .rank)", with_window, group_->size());
+  }
   if (pending_.empty()) return false;
   std::int64_t total = 0;
   for (const Batch& b : pending_) total += b.num_items;
@@ -197,6 +206,13 @@ void Accelerator::backward(const Tensor& loss, const Tensor& grad, BackwardOptio
            "gradient_accumulation_steps = {}: the micro-batch's weight in its window is unknown "
            "there; call it inside `auto scope = accelerator.accumulate(batch);`",
            config_.gradient_accumulation_steps);
+  // In a data-parallel run each process's share of the window is known only inside a scope; with
+  // weight 1 the sum over the processes would be num_processes() times the mean's gradient.
+  MB_CHECK(in_scope_ || group_->size() == 1,
+           "[Accelerator] backward() outside an accumulate() scope in a run of {} processes: this "
+           "process's share of the window is unknown there, and the summed gradient would be {} "
+           "times the mean's; call it inside `auto scope = accelerator.accumulate(batch);`",
+           group_->size(), group_->size());
   loss.backward(grad, options);  // the scope's GradWeightGuard weighs it
 }
 

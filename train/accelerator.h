@@ -193,7 +193,8 @@ class Accelerator {
   /// Enters the scope of the micro-batch most recently taken from a prepared loader.
   [[nodiscard]] AccumulateScope accumulate(const WindowBatch& batch);
   /// loss.backward(grad, options), weighted by the enclosing scope (never divide the loss).
-  /// Outside a scope only with gradient_accumulation_steps = 1, where the weight is 1.
+  /// Outside a scope only with gradient_accumulation_steps = 1 in one process, where the weight
+  /// is 1.
   void backward(const Tensor& loss, const Tensor& grad = {}, BackwardOptions options = {});
   /// True when the current micro-batch ends its window (the optimizer will step).
   bool sync_gradients() const { return sync_gradients_; }

@@ -72,10 +72,14 @@ std::optional<int> env_int(std::initializer_list<const char*> names, int lo, int
 
 LaunchInfo launch_info() {
   LaunchInfo info;
+  // Open MPI's mpirun, then MPICH's (and Intel MPI's) Hydra. Slurm's variables are not read: a
+  // batch script's SLURM_NTASKS counts the tasks of the allocation, not of this program.
   const std::optional<int> size = env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}, 1, INT_MAX);
   if (!size) return info;
   info.size = *size;
   info.rank = env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0, info.size - 1).value_or(0);
+  // Without a local rank every rank is taken to be on one machine (rank_device refuses more
+  // ranks than GPUs there).
   info.local_rank =
       env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}, 0, info.size - 1).value_or(info.rank);
   return info;
@@ -109,7 +113,9 @@ ProcessGroup& ProcessGroup::world() {
     int started = 0;
     MPI_Initialized(&started);
     if (!started) {
-      MPI_Init(nullptr, nullptr);
+      // Only this thread calls MPI (the DataLoader's prefetch threads never do).
+      int provided = 0;
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
       group.mpi_started_ = true;
     }
     int size = 0, rank = 0;
@@ -138,13 +144,17 @@ ProcessGroup& ProcessGroup::solo() {
   return group;
 }
 
-ProcessGroup::~ProcessGroup() {
+ProcessGroup::~ProcessGroup() { finalize(); }
+
+void ProcessGroup::finalize() {
   nccl_.reset();
+  backend_ = DdpBackend::None;
 #ifdef MB_HAVE_MPI
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (mpi_started_ && !finalized) MPI_Finalize();
 #endif
+  mpi_started_ = false;
 }
 
 void ProcessGroup::use(DdpBackend backend, Device device) {
@@ -325,6 +335,8 @@ void ProcessGroup::barrier() {
 Device rank_device(const ProcessGroup& group, Device device) {
   if (group.size() == 1 || !device.is_cuda()) return device;
   const int count = cuda_device_count();
+  // A launcher that shows each process its own GPU alone (CUDA_VISIBLE_DEVICES) leaves it cuda:0.
+  if (count == 1) return cuda_device(0);
   MB_CHECK(group.local_rank() < count,
            "[distributed] rank {} is local rank {} on this machine, which has {} CUDA device(s): "
            "start at most one process per GPU", group.rank(), group.local_rank(), count);

@@ -2,7 +2,8 @@
 //
 // Note [Data parallel]: `mpirun -np W microbatch train ...` starts W copies of a run; each finds
 // its place (rank r of W) here, and the world is made once, on first use, from the launcher's
-// environment (Open MPI's OMPI_COMM_WORLD_SIZE, or PMI_SIZE for MPICH and Slurm). A process not
+// environment (Open MPI's OMPI_COMM_WORLD_SIZE, or PMI_SIZE from MPICH's Hydra; the local rank
+// from OMPI_COMM_WORLD_LOCAL_RANK or MPI_LOCALRANKID). A process not
 // started by a launcher is a world of one, and nothing here costs it anything.
 //
 // Every rank holds the whole model and reads the same global order of samples. The Trainer cuts
@@ -86,6 +87,11 @@ class ProcessGroup {
   /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
   /// or before the world was made.
   static void abort_if_distributed(int code);
+  /// Ends this process's part in the world (its NCCL communicator, then MPI): call it once, at the
+  /// end of a program that made the world; after it, no collective may run. The group's
+  /// destructor does it at exit otherwise, after other static objects (the CUDA runtime's) may
+  /// have gone.
+  void finalize();
 
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;

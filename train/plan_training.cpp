@@ -118,16 +118,24 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
 
 }  // namespace
 
+std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, int world) {
+  // min(rank_effective x world, samples), without the product's overflow.
+  return rank_effective >= samples / world + (samples % world != 0 ? 1 : 0) ? samples
+                                                                           : rank_effective * world;
+}
+
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
                          const Dataset& train_set, Device device, int world, int rank) {
   BatchTriad triad = resolve_batch_triad(args);
   MB_CHECK(train_set.size() > 0, "[plan_training] the training set is empty");
-  if (triad.effective > train_set.size()) {
+  // The rank's windows are its shares of windows of `global` samples (all of them, one process).
+  const std::int64_t global = global_window(triad.effective, train_set.size(), world);
+  const std::int64_t share = std::max<std::int64_t>(share_size(global, rank, world), 1);
+  if (triad.effective > share) {
     // A window never holds more than the training set (the loader's one batch is all of it): a
-    // larger effective batch is planned and trained as the whole set, which also keeps the loader's
-    // and the planner's batch counts clear of int64 overflow.
-    triad = triad.micro > 0 ? split_effective_batch(train_set.size(), triad.micro)
-                            : BatchTriad{train_set.size(), 0, 0};
+    // larger effective batch is planned and trained as the whole set (a rank: as its share of it),
+    // which also keeps the loader's and the planner's batch counts clear of int64 overflow.
+    triad = triad.micro > 0 ? split_effective_batch(share, triad.micro) : BatchTriad{share, 0, 0};
   }
   if (args.memory_budget == 0) {
     MemoryPlan p;
@@ -142,8 +150,8 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   PlannerConfig config;
   config.budget = args.memory_budget;
   config.effective_batch = triad.effective;
-  config.epoch_remainder =
-      train_set.size() % triad.effective;  // the loader keeps a short last batch
+  // The loader keeps a short last window; the rank plans for its share of it.
+  config.epoch_remainder = share_size(train_set.size() % global, rank, world);
   if (args.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
   if (args.fp16) config.store.compute_dtype = DType::f16;

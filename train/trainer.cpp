@@ -60,7 +60,9 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
   model_->to(device_);
   plan_ = make_plan();
-  global_batch_ = plan_.effective_batch * group_->size();
+  // The same on every rank, whatever each planned: the ranks' loaders must cut the same windows.
+  global_batch_ = global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
+                                train_set_.size(), group_->size());
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -345,8 +347,8 @@ TrainOutput Trainer::train() {
     };
     same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed), "pass the same seed");
     // A window is the effective batch over every rank; the processes may differ in number.
-    std::optional<std::int64_t> saved_batch = saved_value("plan", "effective_batch");
-    if (saved_batch) *saved_batch *= saved_value(nullptr, "world_size").value_or(1);
+    std::optional<std::int64_t> saved_batch = saved_value(nullptr, "effective_batch");
+    if (!saved_batch) saved_batch = saved_value("plan", "effective_batch");  // one process's
     same("an effective batch of", saved_batch, global_batch_,
          "keep per_device_train_batch_size x gradient_accumulation_steps x processes");
     same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
@@ -475,6 +477,7 @@ TrainOutput Trainer::train() {
                             {"skipped_steps", skipped},
                             {"train_examples", train_set_.size()},
                             {"world_size", group_->size()},
+                            {"effective_batch", global_batch_},
                             {"train_fingerprint", fingerprint}};
       if (!architecture.is_null()) data.trainer_state["model"] = architecture;
       if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
@@ -495,6 +498,9 @@ TrainOutput Trainer::train() {
       log_file << line;
       log_file.flush();
     }
+    // Every rank returns once the checkpoint is whole: a rank that stops after a save (at the
+    // loss-scale floor) would otherwise end the run while rank 0 still writes it.
+    group_->barrier();
     return path;
   };
   // Note [Stopping at the loss-scale floor]: after max_overflows_at_floor overflows at the floor
@@ -717,6 +723,12 @@ TrainOutput Trainer::train() {
       logged_step = step;
       stats.reserved.peak = std::max(stats.reserved.peak, carried_peak);
       carried_peak = 0;
+      // A data-parallel run logs the largest rank's peak and every rank's splits.
+      std::int64_t peak = stats.reserved.peak - baseline_, splits = oom_splits;
+      if (group_->size() > 1) {
+        peak = group_->all_reduce_max(peak);
+        splits = group_->all_reduce_sum(oom_splits);
+      }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       nlohmann::json line{{"step", step},
                           {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
@@ -729,8 +741,8 @@ TrainOutput Trainer::train() {
                           {"token_budget", token_budget},
                           {"steps_per_window", micro_batches},
                           {"predicted_peak", plan_.predicted_peak},
-                          {"measured_peak", stats.reserved.peak - baseline_},
-                          {"oom_splits", oom_splits},
+                          {"measured_peak", peak},
+                          {"oom_splits", splits},
                           {"skipped_steps", skipped},
                           {"seconds", secs}};
       if (scaler) line["loss_scale"] = scaler->scale();
@@ -745,14 +757,14 @@ TrainOutput Trainer::train() {
         const int done = static_cast<int>(width * step / total_steps);
         out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
                            std::string(width - done, ' '), step, total_steps, loss, lr,
-                           format_bytes(stats.reserved.peak - baseline_));
+                           format_bytes(peak));
         out << scale_text;
         if (step == total_steps) out << "\n";
       } else {
         out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
                            "micro {} x {} | peak {} (predicted {})",
                            step, total_steps, line["epoch"].get<double>(), loss, lr, norm.norm,
-                           plan_.micro_batch_size, micro_batches, format_bytes(stats.reserved.peak - baseline_),
+                           plan_.micro_batch_size, micro_batches, format_bytes(peak),
                            plan_.predicted_peak > 0 ? format_bytes(plan_.predicted_peak) : std::string("-"));
         out << scale_text << "\n";
       }

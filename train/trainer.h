@@ -48,6 +48,10 @@ using ModelInit = std::function<std::unique_ptr<nn::Model>()>;
 /// gradient_accumulation_steps, as Hugging Face counts the total batch (that x world).
 TrainingArguments rank_arguments(const TrainingArguments& args, int world);
 
+/// The samples of a window when each of `world` ranks takes up to `rank_effective` of a training
+/// set of `samples`: min(rank_effective x world, samples).
+std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, int world);
+
 /// The micro-batch schedule a Trainer with these arguments uses on `device`: planned on the meta
 /// device against memory_budget when one is set, else args' own split. It touches no device, so a
 /// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`). In a

@@ -52,4 +52,26 @@ if [[ $status -eq 0 || $status -eq 124 ]]; then
 fi
 grep -q "train_batch_size 15 is not divisible by the 2 processes" "$WORK/bad.out" || {
   echo "FAIL: the error was not reported"; cat "$WORK/bad.out"; exit 1; }
+# Stopping at the loss-scale floor (fp16, a learning rate that overflows every step): every rank
+# stops, and the last good state rank 0 saves is whole when the run ends, every time. The model is
+# larger here so that writing its checkpoint takes a while: without the ranks waiting for it, the
+# others' stop ended the run mid-write in 5 runs of 5.
+for attempt in 1 2 3 4 5; do
+  set +e
+  timeout 120 "$MPIRUN" -np 2 "$CLI" "${common[@]}" --n-layer 2 --n-embd 256 \
+    --per-device-train-batch-size 4 --fp16 \
+    --learning-rate 1e6 --loss-scale-floor 32768 --max-overflows-at-floor 1 \
+    --output-dir "$WORK/floor$attempt" > "$WORK/floor.out" 2>&1
+  status=$?
+  set -e
+  saved="$(sed -n 's/.*the last good state is saved in \([^ ]*\)$/\1/p' "$WORK/floor.out" | head -n 1)"
+  if [[ $status -eq 0 || $status -eq 124 || -z "$saved" || ! -f "$saved/COMPLETE" ]]; then
+    echo "FAIL: the floor stop (attempt $attempt) exited with $status, saved '$saved'"
+    ls -la "$WORK/floor$attempt" || true; cat "$WORK/floor.out"; exit 1
+  fi
+  if compgen -G "$WORK/floor$attempt/.checkpoint-*" > /dev/null; then
+    echo "FAIL: a checkpoint was left half-written"; ls -la "$WORK/floor$attempt"; exit 1
+  fi
+done
+
 echo "data_parallel_cli: ok"

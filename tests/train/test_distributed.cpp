@@ -155,6 +155,16 @@ TEST_CASE("distributed: a dataset shard holds the rank's examples") {
   check_throws_with([&] { DatasetShard bad(data, 2, 2); }, "rank 2 of 2");
 }
 
+TEST_CASE("distributed: a window is every rank's batch, at most the training set") {
+  CHECK(global_window(8, 70, 2) == 16);
+  CHECK(global_window(8, 70, 1) == 8);
+  CHECK(global_window(34, 70, 2) == 68);
+  CHECK(global_window(35, 70, 2) == 70);  // ceil(70 / 2): the whole set
+  CHECK(global_window(36, 71, 2) == 71);
+  CHECK(global_window(100, 70, 1) == 70);
+  CHECK(global_window(INT64_MAX, 10, 3) == 10);  // no overflow of the product
+}
+
 TEST_CASE("distributed: each rank's arguments hold its share of the effective batch") {
   TrainingArguments args{.per_device_train_batch_size = 4, .gradient_accumulation_steps = 2};
   // Hugging Face's count: per device x accumulation steps on each rank, that x world in all.
