@@ -404,7 +404,22 @@ TrainOutput Trainer::train() {
     logged_sum = saved_logged_sum;
     logged_at = saved_logged_at;
     scheduler.set_steps(saved_scheduler);
-    default_generator().set_state({rng_seed, rng_offset});
+    GeneratorState rng{rng_seed, rng_offset};
+    // A data-parallel checkpoint holds every rank's stream (their dropout masks differ in how much
+    // they drew); a run with as many ranks takes its own, any other run rank 0's.
+    if (st.contains("rng_ranks")) {
+      const nlohmann::json& all = st.at("rng_ranks");
+      const bool ok = all.is_array() && std::all_of(all.begin(), all.end(), [](const nlohmann::json& e) {
+                        return e.is_array() && e.size() == 2 && e[0].is_number_unsigned() &&
+                               e[1].is_number_unsigned();
+                      });
+      MB_CHECK(ok, "[Trainer] {}: 'rng_ranks' must be a list of [seed, offset] pairs", state_file);
+      if (all.size() == static_cast<std::size_t>(group_->size())) {
+        const nlohmann::json& mine = all.at(static_cast<std::size_t>(group_->rank()));
+        rng = {mine[0].get<std::uint64_t>(), mine[1].get<std::uint64_t>()};
+      }
+    }
+    default_generator().set_state(rng);
     if (main && st.contains("log_bytes") && fs::exists(log_path)) {
       const std::int64_t kept = count("log_bytes");
       log_file.close();
@@ -456,11 +471,23 @@ TrainOutput Trainer::train() {
     empty_cache(device_);
     std::string path = (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string(),
                 line;
+    if (!rng) rng = default_generator().state();
+    nlohmann::json rank_rngs = nlohmann::json::array();
+    if (group_->size() > 1) {
+      // Every rank's stream, gathered as a sum of slots that only their own rank fills.
+      Tensor states = zeros({2 * group_->size()}, {.dtype = DType::i64});
+      auto* slots = states.data<std::int64_t>();
+      slots[2 * group_->rank()] = static_cast<std::int64_t>(rng->seed);
+      slots[2 * group_->rank() + 1] = static_cast<std::int64_t>(rng->offset);
+      group_->all_reduce_sum(states);
+      for (int r = 0; r < group_->size(); ++r)
+        rank_rngs.push_back({static_cast<std::uint64_t>(slots[2 * r]),
+                             static_cast<std::uint64_t>(slots[2 * r + 1])});
+    }
     if (main) {
       CheckpointData data;
       for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
       for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
-      if (!rng) rng = default_generator().state();
       data.trainer_state = {{"global_step", step},
                             {"epoch", epoch},
                             {"window", window},
@@ -480,6 +507,7 @@ TrainOutput Trainer::train() {
                             {"effective_batch", global_batch_},
                             {"train_fingerprint", fingerprint}};
       if (!architecture.is_null()) data.trainer_state["model"] = architecture;
+      if (!rank_rngs.empty()) data.trainer_state["rng_ranks"] = rank_rngs;
       if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
       // The log up to and including this save's own line (Note [A used output_dir]); the path is
       // save_checkpoint's, output_dir/checkpoint-<step>.

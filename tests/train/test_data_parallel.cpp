@@ -327,6 +327,39 @@ TEST_CASE("data parallel: a checkpoint of two ranks resumes in one process") {
                     "trained with an effective batch of 16, this run has 8");
 }
 
+TEST_CASE("data parallel: with dropout a resumed run draws each rank's own stream") {
+  // 65 examples: the last window of each epoch is one sample, rank 0's, so after an epoch the
+  // ranks' random streams have drawn different amounts. A checkpoint holds each rank's stream, and
+  // the run resumed in two processes is the uninterrupted one to the bit.
+  TensorDataset data = synthetic_images(65, 17);
+  SharedDir dir;
+  auto train_dropout = [&](const TrainingArguments& args) {
+    std::ostringstream sink;
+    Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}, .dropout = 0.3}); },
+                    args, data);
+    trainer.set_log_stream(&sink);
+    trainer.train();
+    return trainer.model().state_dict();
+  };
+  TrainingArguments args = small_run(dir.path / "parallel");
+  args.per_device_train_batch_size = 4;
+  args.save_strategy = "steps";
+  args.save_steps = 5;  // an epoch's end
+  const nn::StateDict whole = train_dropout(args);
+  if (world().is_main()) {
+    std::ifstream in(dir.path / "parallel" / "checkpoint-5" / "trainer_state.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    const nlohmann::json streams = nlohmann::json::parse(text.str()).at("rng_ranks");
+    REQUIRE(streams.size() == 2);
+    CHECK(streams[0] != streams[1]);  // what the case is about
+  }
+  args.output_dir = (dir.path / "resumed").string();
+  args.resume_from_checkpoint = (dir.path / "parallel" / "checkpoint-5").string();
+  const nn::StateDict resumed = train_dropout(args);
+  CHECK(max_difference(whole, resumed) == 0.0);
+}
+
 TEST_CASE("data parallel: an effective batch that does not split evenly is refused on every rank") {
   TensorDataset data = synthetic_images(32, 15);
   SharedDir dir;

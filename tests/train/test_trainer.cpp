@@ -352,6 +352,9 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   check_throws_with([&] { resume_with("scheduler_steps", 100); }, "100 schedule steps and 0 skipped steps in 2");
   check_throws_with([&] { resume_with("args", nlohmann::json::array({1})); }, "'args' must be a JSON object");
   check_throws_with([&] { resume_with("model", "mlp"); }, "'model' must be a JSON object, got \"mlp\"");
+  check_throws_with([&] { resume_with("rng_ranks", nlohmann::json::array({{1, -2}})); },
+                    "'rng_ranks' must be a list of [seed, offset] pairs");
+  check_throws_with([&] { resume_with("effective_batch", "16"); }, "'effective_batch' must be a whole number");
   // An architecture's list of widths is shown whole.
   nlohmann::json other = good.trainer_state.at("model");
   other["hidden"] = {64, 16};
