@@ -63,8 +63,11 @@ int main() {
   const Device device =
       train::rank_device(train::ProcessGroup::world(), cuda_available() ? cuda_device(0) : kCPU);
   std::vector<double> losses = examples::train_with_accelerator(model, *data, {.device = device});
-  std::cout << "accelerator on " << device.str() << ": " << losses.size()
-            << " micro-batches, first loss " << losses.front() << ", last loss " << losses.back()
-            << "\n";
+  train::ProcessGroup& world = train::ProcessGroup::world();
+  std::cout << "accelerator on " << device.str();
+  if (world.size() > 1) std::cout << " (process " << world.rank() << " of " << world.size() << ")";
+  std::cout << ": " << losses.size() << " micro-batches, first loss " << losses.front()
+            << ", last loss " << losses.back() << "\n";
+  world.finalize();
 }
 #endif

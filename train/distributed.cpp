@@ -78,8 +78,8 @@ LaunchInfo launch_info() {
   if (!size) return info;
   info.size = *size;
   info.rank = env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0, info.size - 1).value_or(0);
-  // Without a local rank every rank is taken to be on one machine (rank_device refuses more
-  // ranks than GPUs there).
+  // Without a local rank every rank is taken to be on one machine (rank_device then refuses more
+  // ranks than that machine's GPUs, unless CUDA_VISIBLE_DEVICES shows each its own).
   info.local_rank =
       env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}, 0, info.size - 1).value_or(info.rank);
   return info;
@@ -235,23 +235,31 @@ void check_collective_tensor(const Tensor& t, const char* what) {
 
 }  // namespace
 
+void* ProcessGroup::device_comm(const Tensor& t, const char* doing) {
+#ifdef MB_HAVE_NCCL
+  MB_CHECK(nccl_ && nccl_->device == t.device().index,
+           "[distributed] {} a tensor on {} needs ddp_backend = nccl on that device", doing,
+           t.device().str());
+  MB_CUDA_CHECK(cudaSetDevice(t.device().index));
+  return nccl_->comm;
+#else
+  MB_CHECK(false, "[distributed] {} a tensor on {} needs NCCL, which this build lacks", doing,
+           t.device().str());
+  return nullptr;
+#endif
+}
+
 void ProcessGroup::all_reduce_sum(Tensor& t) {
   check_collective_tensor(t, "all_reduce_sum");
   if (size_ == 1 || t.numel() == 0) return;
   if (t.device().is_cuda()) {
+    [[maybe_unused]] void* comm = device_comm(t, "summing");
 #ifdef MB_HAVE_NCCL
-    MB_CHECK(nccl_ && nccl_->device == t.device().index,
-             "[distributed] summing a tensor on {} needs ddp_backend = nccl on that device",
-             t.device().str());
-    MB_CUDA_CHECK(cudaSetDevice(t.device().index));
     MB_NCCL_CHECK(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.numel()),
-                                nccl_type(t.dtype()), ncclSum, nccl_->comm,
+                                nccl_type(t.dtype()), ncclSum, static_cast<ncclComm_t>(comm),
                                 kernels::cuda::current_stream()));
-    return;
-#else
-    MB_CHECK(false, "[distributed] summing a tensor on {} needs NCCL, which this build lacks",
-             t.device().str());
 #endif
+    return;
   }
   MB_CHECK(t.device().is_cpu(), "[distributed] cannot sum a tensor on {}", t.device().str());
 #ifdef MB_HAVE_MPI
@@ -293,18 +301,12 @@ void ProcessGroup::broadcast(Tensor& t, int root) {
            size_);
   if (size_ == 1 || t.numel() == 0) return;
   if (t.device().is_cuda()) {
+    [[maybe_unused]] void* comm = device_comm(t, "broadcasting");
 #ifdef MB_HAVE_NCCL
-    MB_CHECK(nccl_ && nccl_->device == t.device().index,
-             "[distributed] broadcasting a tensor on {} needs ddp_backend = nccl on that device",
-             t.device().str());
-    MB_CUDA_CHECK(cudaSetDevice(t.device().index));
     MB_NCCL_CHECK(ncclBroadcast(t.raw_data(), t.raw_data(), t.nbytes(), ncclUint8, root,
-                                nccl_->comm, kernels::cuda::current_stream()));
-    return;
-#else
-    MB_CHECK(false, "[distributed] broadcasting a tensor on {} needs NCCL, which this build lacks",
-             t.device().str());
+                                static_cast<ncclComm_t>(comm), kernels::cuda::current_stream()));
 #endif
+    return;
   }
   MB_CHECK(t.device().is_cpu(), "[distributed] cannot broadcast a tensor on {}", t.device().str());
 #ifdef MB_HAVE_MPI
@@ -335,8 +337,10 @@ void ProcessGroup::barrier() {
 Device rank_device(const ProcessGroup& group, Device device) {
   if (group.size() == 1 || !device.is_cuda()) return device;
   const int count = cuda_device_count();
-  // A launcher that shows each process its own GPU alone (CUDA_VISIBLE_DEVICES) leaves it cuda:0.
-  if (count == 1) return cuda_device(0);
+  // A launcher that shows each process its own GPU alone (CUDA_VISIBLE_DEVICES) leaves it cuda:0;
+  // without that, local ranks past the first would share the one GPU, which NCCL refuses.
+  if (count == 1 && (group.local_rank() == 0 || std::getenv("CUDA_VISIBLE_DEVICES") != nullptr))
+    return cuda_device(0);
   MB_CHECK(group.local_rank() < count,
            "[distributed] rank {} is local rank {} on this machine, which has {} CUDA device(s): "
            "start at most one process per GPU", group.rank(), group.local_rank(), count);

@@ -99,6 +99,9 @@ class ProcessGroup {
 
  private:
   ProcessGroup() = default;
+  /// The NCCL communicator (an ncclComm_t) for a tensor on a CUDA device, made current; refused
+  /// without one on that device.
+  void* device_comm(const Tensor& t, const char* doing);
   struct Nccl;
   int size_ = 1;
   int rank_ = 0;
@@ -109,7 +112,8 @@ class ProcessGroup {
 };
 
 /// Where this rank trains when `device` was asked for: in a world of more than one a CUDA device
-/// becomes cuda:(local rank), which must be present; anything else stays as asked.
+/// becomes cuda:(local rank), which must be present, or cuda:0 where CUDA_VISIBLE_DEVICES shows
+/// the process one GPU of its own; anything else stays as asked.
 Device rank_device(const ProcessGroup& group, Device device);
 
 /// The default backend for training on `device`: None in a world of one, else Nccl on CUDA and

@@ -61,7 +61,7 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
 // with `seed`, of which `rank` takes its share (Note [Mixed lengths] in train/planner.cpp; Note
 // [Data parallel] in train/distributed.h).
 struct RankWindows {
-  std::int64_t effective = 0;  // samples a window gives each rank
+  std::int64_t global = 0;  // samples a window holds over every rank (global_window)
   int world = 1;
   int rank = 0;
 };
@@ -69,7 +69,7 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
                                                  const TrainingArguments& args, RankWindows windows_of,
                                                  std::int64_t micro, std::int64_t token_budget) {
-  DataLoader loader(data, {.batch_size = windows_of.effective * windows_of.world, .shuffle = true,
+  DataLoader loader(data, {.batch_size = windows_of.global, .shuffle = true,
                            .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
   // The run's windows as train() counts them (max_steps, else the epochs'), the first
@@ -210,7 +210,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
     // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
     config.packed_shapes = [&](std::int64_t n) {
-      return run_shapes(train_set, lengths, args, {triad.effective, world, rank}, n,
+      return run_shapes(train_set, lengths, args, {global, world, rank}, n,
                         args.pack_by_tokens ? n * longest_length : 0);
     };
     // Rows of the shape's length, each read afresh as the training loop reads them.
@@ -248,9 +248,13 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     const std::int64_t asked = resolve_batch_triad(args).micro;
     if (asked <= triad.micro) throw;
     throw OutOfMemoryError(
-        fmt::format("per_device_train_batch_size {} is more than the {} training examples, so a "
-                    "micro-batch holds all of them: {}",
-                    asked, train_set.size(), e.what()),
+        world == 1 ? fmt::format("per_device_train_batch_size {} is more than the {} training "
+                                 "examples, so a micro-batch holds all of them: {}",
+                                 asked, train_set.size(), e.what())
+                   : fmt::format("per_device_train_batch_size {} is more than the {} examples of "
+                                 "rank {}'s share of a window (the training set's {} over {} "
+                                 "processes), so a micro-batch holds all of them: {}",
+                                 asked, triad.effective, rank, train_set.size(), world, e.what()),
         e.requested());
   }
   p.sequence_length = longest_length;

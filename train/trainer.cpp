@@ -348,9 +348,13 @@ TrainOutput Trainer::train() {
     same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed), "pass the same seed");
     // A window is the effective batch over every rank; the processes may differ in number.
     std::optional<std::int64_t> saved_batch = saved_value(nullptr, "effective_batch");
-    if (!saved_batch) saved_batch = saved_value("plan", "effective_batch");  // one process's
+    if (!saved_batch) {  // an older checkpoint: its plan's batch, one process's
+      saved_batch = saved_value("plan", "effective_batch");
+      if (saved_batch) *saved_batch *= saved_value(nullptr, "world_size").value_or(1);
+    }
     same("an effective batch of", saved_batch, global_batch_,
-         "keep per_device_train_batch_size x gradient_accumulation_steps x processes");
+         "keep per_device_train_batch_size x gradient_accumulation_steps x processes, which is "
+         "at most the training set");
     same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
          "train on the same data");
     if (st.contains("train_fingerprint")) {

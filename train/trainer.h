@@ -64,7 +64,7 @@ struct TrainOutput {
   std::int64_t global_step = 0;
   double training_loss = 0.0;  // mean of the windows' losses
   Metrics metrics;             // the last evaluation, eval_ prefixed
-  std::int64_t oom_splits = 0; // micro-batches split after running out of memory
+  std::int64_t oom_splits = 0; // micro-batches split after running out of memory (this rank's)
   std::int64_t skipped_steps = 0;  // windows whose gradients were not finite (no update)
 };
 

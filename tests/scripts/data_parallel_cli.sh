@@ -10,8 +10,9 @@ CLI="$2"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 
-common=(train --model gpt --dataset synthetic --synthetic-size 96 --vocab-size 32 --block-size 16
-        --n-layer 1 --n-head 2 --n-embd 32 --max-steps 5 --logging-steps 1 --use-cpu --json
+# 88 sequences in windows of 16: five whole windows and one of 8 (4 a rank), then a second epoch.
+common=(train --model gpt --dataset synthetic --synthetic-size 88 --vocab-size 32 --block-size 16
+        --n-layer 1 --n-head 2 --n-embd 32 --max-steps 8 --logging-steps 1 --use-cpu --json
         --gradient-accumulation-steps 2 --learning-rate 3e-3)
 
 "$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 4 --output-dir "$WORK/two" \
@@ -30,8 +31,9 @@ def steps(path):
     return out
 two, one = steps(f"{work}/two/log.jsonl"), steps(f"{work}/one/log.jsonl")
 printed = [l for l in open(f"{work}/two.out") if l.startswith("{") and '"loss"' in l and '"event"' not in l]
-assert len(two) == len(one) == 5, (len(two), len(one))
-assert len(printed) == 5, f"{len(printed)} step lines printed by the two ranks: rank 0 alone prints"
+assert len(two) == len(one) == 8, (len(two), len(one))
+assert len(printed) == 8, f"{len(printed)} step lines printed by the two ranks: rank 0 alone prints"
+assert two[5]["samples"] == 88 and two[6]["samples"] == 104, (two[5], two[6])
 for a, b in zip(two, one):
     assert a["samples"] == b["samples"] and a["tokens"] == b["tokens"], (a, b)
     assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])

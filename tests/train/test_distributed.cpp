@@ -165,6 +165,22 @@ TEST_CASE("distributed: a window is every rank's batch, at most the training set
   CHECK(global_window(INT64_MAX, 10, 3) == 10);  // no overflow of the product
 }
 
+TEST_CASE("distributed: each rank plans for its share of a window cut to the training set") {
+  // 9 examples, 5 a rank over 2 processes: one window of all 9, 5 for rank 0 and 4 for rank 1.
+  // Planning needs no other process: plan_training takes the world's size and the rank.
+  TensorDataset data = synthetic_images(9, 6);
+  TrainingArguments args{.per_device_train_batch_size = 5, .memory_budget = 64 << 20,
+                         .use_cpu = true};
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 0).effective_batch == 5);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 1, 0).effective_batch == 5);
+  args.per_device_train_batch_size = 12;
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 1, 0).effective_batch == 9);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
+  args.memory_budget = 0;  // without a budget, the split asked for
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
+}
+
 TEST_CASE("distributed: each rank's arguments hold its share of the effective batch") {
   TrainingArguments args{.per_device_train_batch_size = 4, .gradient_accumulation_steps = 2};
   // Hugging Face's count: per device x accumulation steps on each rank, that x world in all.

@@ -355,6 +355,18 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   check_throws_with([&] { resume_with("rng_ranks", nlohmann::json::array({{1, -2}})); },
                     "'rng_ranks' must be a list of [seed, offset] pairs");
   check_throws_with([&] { resume_with("effective_batch", "16"); }, "'effective_batch' must be a whole number");
+  check_throws_with([&] { resume_with("effective_batch", 32); },
+                    "trained with an effective batch of 32, this run has 16");
+  {
+    // A checkpoint from before data-parallel runs (no effective batch, processes or per-rank
+    // streams) resumes on its plan's batch.
+    CheckpointData older = good;
+    for (const char* field : {"effective_batch", "world_size", "rng_ranks"}) older.trainer_state.erase(field);
+    resume_from(older, dir.path / "older", train_set);
+    older.trainer_state["plan"]["effective_batch"] = 8;
+    check_throws_with([&] { resume_from(older, dir.path / "older-8", train_set); },
+                      "trained with an effective batch of 8, this run has 16");
+  }
   // An architecture's list of widths is shown whole.
   nlohmann::json other = good.trainer_state.at("model");
   other["hidden"] = {64, 16};
