@@ -42,6 +42,26 @@ print("two processes:", [round(s["loss"], 6) for s in two])
 print("one process:  ", [round(s["loss"], 6) for s in one])
 PY
 
+# Three processes, windows of 18 (3 x 2 a rank): shares of 6 each, and the epoch's last window of
+# 16 is shared 6, 5 and 5.
+"$MPIRUN" -np 3 "$CLI" "${common[@]}" --per-device-train-batch-size 3 --output-dir "$WORK/three" \
+  > "$WORK/three.out"
+"$CLI" "${common[@]}" --per-device-train-batch-size 9 --output-dir "$WORK/one18" > "$WORK/one18.out"
+python3 - "$WORK" <<'PY'
+import json, sys
+work = sys.argv[1]
+def steps(path):
+    return [j for j in map(json.loads, open(path)) if "loss" in j and "event" not in j]
+three, one = steps(f"{work}/three/log.jsonl"), steps(f"{work}/one18/log.jsonl")
+assert len(three) == len(one) == 8, (len(three), len(one))
+assert three[4]["samples"] == 88 and three[5]["samples"] == 106, (three[4], three[5])
+for a, b in zip(three, one):
+    assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
+    assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, b["grad_norm"]), (a, b)
+print("three processes:", [round(s["loss"], 6) for s in three])
+print("one process:    ", [round(s["loss"], 6) for s in one])
+PY
+
 # A bad argument fails on every rank, and the run ends with its message rather than hanging.
 set +e
 timeout 120 "$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 5 \
