@@ -65,6 +65,7 @@ struct Options {
   std::vector<CLI::Option*> model_options;  // read by some models or datasets only
   bool eval_strategy_given = false;  // by a flag or the config file
   bool profile = false;  // train only
+  std::int64_t processes = 1;  // plan only: the processes of a data-parallel run
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
   double dropout = 0.0;
@@ -399,10 +400,16 @@ int run_plan(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
   args.validate();
+  MB_CHECK(o.processes >= 1, "[plan] --processes must be >= 1, got {}", o.processes);
+  const int processes = static_cast<int>(std::min<std::int64_t>(o.processes, 1 << 20));
   Job job = make_job(o, false);
-  // Planned on the meta device only: a plan for cuda needs no GPU here.
-  const mb::train::MemoryPlan plan =
-      mb::train::plan_training(job.model_init, args, *job.train_set, args.requested_device());
+  // Planned on the meta device only: a plan for cuda needs no GPU here. For a data-parallel run,
+  // rank 0's plan: its share of each window is the largest.
+  const mb::train::MemoryPlan plan = mb::train::plan_training(
+      job.model_init, mb::train::rank_arguments(args, processes), *job.train_set,
+      args.requested_device(), processes, 0);
+  if (processes > 1 && !args.json)
+    std::cout << "rank 0 of " << processes << " processes (each plans its own share of a window):\n";
   if (args.json) std::cout << plan.to_json().dump(2) << "\n";
   else std::cout << plan.str();
   return 0;
@@ -465,6 +472,9 @@ int main(int argc, char** argv) {
                       "MB_PROFILE=1)");
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
+  plan_cmd->add_option("--processes", plan.processes,
+                       "plan rank 0's share for a data-parallel run of this many processes "
+                       "(default 1)");
   std::string dtypes = "both";
   bool json = false;
   CLI::App* check_cmd = app.add_subcommand("check-accumulation",

@@ -297,6 +297,23 @@ TEST_CASE("the command: --json and a config file's json, flags over the file, fo
   CHECK(is_json(r.output));
 }
 
+TEST_CASE("the command: plan --processes plans rank 0's share of a data-parallel run") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt";
+  const std::string plan =
+      tiny_gpt("plan", dir.path) + " --memory-budget 64MiB --train-batch-size 32 --json";
+  CommandResult r = run_command(plan + " --processes 2", out);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(nlohmann::json::parse(r.output).at("effective_batch") == 16);
+  r = run_command(plan, out);
+  REQUIRE(r.status == 0);
+  CHECK(nlohmann::json::parse(r.output).at("effective_batch") == 32);
+  expect_refusals({{plan + " --processes 3", "train_batch_size 32 is not divisible by the 3 processes"},
+                   {plan + " --processes 0", "--processes must be >= 1, got 0"}},
+                  out);
+}
+
 TEST_CASE("the command: --help gives every TrainingArguments flag's default and kind") {
   TempDir dir;
   const fs::path out = dir.path / "out.txt";
