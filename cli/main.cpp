@@ -357,17 +357,16 @@ int run_train(Options& o) {
   std::ostream& out = world.is_main() ? std::cout : no_output;
   if (!args.json) {
     out << "model " << o.model << " on " << trainer.device().str() << ": "
-              << trainer.model().num_parameters() << " parameters; "
-              << job.train_set->size() << " training examples; micro-batch " << plan.micro_batch_size << " x "
-              << plan.accumulation_steps << " accumulation steps"
-              << (world.size() > 1
-                      ? fmt::format(" on each of {} processes ({})", world.size(),
-                                    mb::train::ddp_backend_name(world.backend()))
-                      : std::string())
-              << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
+        << trainer.model().num_parameters() << " parameters; " << job.train_set->size()
+        << " training examples; micro-batch " << plan.micro_batch_size << " x "
+        << plan.accumulation_steps << " accumulation steps"
+        << (world.size() > 1 ? fmt::format(" on each of {} processes ({})", world.size(),
+                                           mb::train::ddp_backend_name(world.backend()))
+                             : std::string())
+        << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
     if (args.memory_budget > 0)
       out << "; predicted peak " << mb::format_bytes(plan.predicted_peak) << " of "
-                << mb::format_bytes(args.memory_budget);
+          << mb::format_bytes(args.memory_budget);
     out << "\n";
   }
   // Started after the model and the plan are made, so the table holds train() alone: its steps, and
@@ -382,7 +381,8 @@ int run_train(Options& o) {
   }
   if (!args.json) {
     out << fmt::format("done: {} steps, training loss {:.4f}", r.global_step, r.training_loss);
-    if (r.metrics.count("eval_accuracy")) out << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
+    if (r.metrics.count("eval_accuracy"))
+      out << fmt::format(", test accuracy {:.2f}%", r.metrics["eval_accuracy"] * 100);
     if (r.metrics.count("eval_f1")) out << fmt::format(", macro F1 {:.4f}", r.metrics["eval_f1"]);
     if (r.metrics.count("eval_loss") && !r.metrics.count("eval_accuracy"))
       out << fmt::format(", validation loss {:.4f}", r.metrics["eval_loss"]);
@@ -405,11 +405,12 @@ int run_plan(Options& o) {
   Job job = make_job(o, false);
   // Planned on the meta device only: a plan for cuda needs no GPU here. For a data-parallel run,
   // rank 0's plan: its share of each window is the largest.
-  const mb::train::MemoryPlan plan = mb::train::plan_training(
-      job.model_init, mb::train::rank_arguments(args, processes), *job.train_set,
-      args.requested_device(), processes, 0);
+  const mb::train::MemoryPlan plan =
+      mb::train::plan_training(job.model_init, mb::train::rank_arguments(args, processes),
+                               *job.train_set, args.requested_device(), processes, 0);
   if (processes > 1 && !args.json)
-    std::cout << "rank 0 of " << processes << " processes (each plans its own share of a window):\n";
+    std::cout << "rank 0 of " << processes
+              << " processes (each plans its own share of a window):\n";
   if (args.json) std::cout << plan.to_json().dump(2) << "\n";
   else std::cout << plan.str();
   return 0;

@@ -21,7 +21,8 @@ std::vector<double> train_with_accelerator(nn::Model& model, const train::Datase
   auto scheduler = accelerator.prepare(constant);
   // Each process's share of every epoch (one process: the whole of it), so that the same program
   // trains data-parallel under `mpirun -np W` (README: Data-parallel training).
-  train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size, .shuffle = true,
+  train::DataLoader loader(data, {.batch_size = config.per_device_train_batch_size,
+                                  .shuffle = true,
                                   .seed = config.seed,
                                   .num_replicas = accelerator.num_processes(),
                                   .rank = accelerator.process_index()});

@@ -69,7 +69,8 @@ bool WindowedLoader::read_window() {
     MB_CHECK(with_window == 0 || with_window == group_->size(),
              "[Accelerator] {} of the {} processes have a window to train on and the others' data "
              "has run out: every process's loader must give as many batches (shard it with "
-             ".num_replicas and .rank)", with_window, group_->size());
+             ".num_replicas and .rank)",
+             with_window, group_->size());
   }
   if (pending_.empty()) return false;
   std::int64_t total = 0;
@@ -131,7 +132,8 @@ Accelerator::Accelerator(AcceleratorConfig config)
     device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
     device_ = rank_device(*group_, device_);
   }
-  if (group_->size() > 1) group_->use(parse_ddp_backend(config.ddp_backend, *group_, device_), device_);
+  if (group_->size() > 1)
+    group_->use(parse_ddp_backend(config.ddp_backend, *group_, device_), device_);
 }
 
 namespace {

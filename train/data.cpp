@@ -209,9 +209,11 @@ DataLoader::DataLoader(const Dataset& dataset, DataLoaderOptions options)
   MB_CHECK(options_.batch_size >= 1, "[DataLoader] batch_size must be at least 1, got {}",
            options_.batch_size);
   MB_CHECK(options_.prefetch >= 0, "[DataLoader] prefetch must be >= 0, got {}", options_.prefetch);
-  MB_CHECK(options_.num_replicas >= 1 && options_.rank >= 0 && options_.rank < options_.num_replicas,
-           "[DataLoader] rank {} of num_replicas {}: need num_replicas >= 1 and 0 <= rank < "
-           "num_replicas", options_.rank, options_.num_replicas);
+  MB_CHECK(
+      options_.num_replicas >= 1 && options_.rank >= 0 && options_.rank < options_.num_replicas,
+      "[DataLoader] rank {} of num_replicas {}: need num_replicas >= 1 and 0 <= rank < "
+      "num_replicas",
+      options_.rank, options_.num_replicas);
   set_state({});
 }
 

@@ -27,9 +27,12 @@ namespace microbatch::train {
 
 const char* ddp_backend_name(DdpBackend backend) {
   switch (backend) {
-    case DdpBackend::None: return "no";
-    case DdpBackend::Mpi: return "mpi";
-    case DdpBackend::Nccl: return "nccl";
+    case DdpBackend::None:
+      return "no";
+    case DdpBackend::Mpi:
+      return "mpi";
+    case DdpBackend::Nccl:
+      return "nccl";
   }
   return "?";
 }
@@ -61,8 +64,8 @@ std::optional<int> env_int(std::initializer_list<const char*> names, int lo, int
     int value = 0;
     const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
     MB_CHECK(ec == std::errc() && end == s.data() + s.size() && value >= lo && value <= hi,
-             "[distributed] the launcher's {} = '{}' is not a whole number in [{}, {}]", name, s, lo,
-             hi);
+             "[distributed] the launcher's {} = '{}' is not a whole number in [{}, {}]", name, s,
+             lo, hi);
     return value;
   }
   return std::nullopt;
@@ -80,8 +83,8 @@ LaunchInfo launch_info() {
   info.rank = env_int({"OMPI_COMM_WORLD_RANK", "PMI_RANK"}, 0, info.size - 1).value_or(0);
   // Without a local rank every rank is taken to be on one machine (rank_device then refuses more
   // ranks than that machine's GPUs, unless CUDA_VISIBLE_DEVICES shows each its own).
-  info.local_rank =
-      env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}, 0, info.size - 1).value_or(info.rank);
+  info.local_rank = env_int({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}, 0, info.size - 1)
+                        .value_or(info.rank);
   return info;
 }
 
@@ -94,11 +97,11 @@ struct ProcessGroup::Nccl {
   }
 };
 
-#define MB_NCCL_CHECK(call)                                                                     \
-  do {                                                                                          \
-    ncclResult_t mb_result_ = (call);                                                           \
-    MB_CHECK(mb_result_ == ncclSuccess, "[distributed] {} failed: {}", #call,                   \
-             ncclGetErrorString(mb_result_));                                                   \
+#define MB_NCCL_CHECK(call)                                                   \
+  do {                                                                        \
+    ncclResult_t mb_result_ = (call);                                         \
+    MB_CHECK(mb_result_ == ncclSuccess, "[distributed] {} failed: {}", #call, \
+             ncclGetErrorString(mb_result_));                                 \
   } while (0)
 #else
 struct ProcessGroup::Nccl {};
@@ -159,19 +162,25 @@ void ProcessGroup::finalize() {
 
 void ProcessGroup::use(DdpBackend backend, Device device) {
   if (backend == DdpBackend::None) {
-    MB_CHECK(size_ == 1, "[distributed] no backend in a world of {} processes: their gradients "
-             "would never be summed", size_);
+    MB_CHECK(size_ == 1,
+             "[distributed] no backend in a world of {} processes: their gradients "
+             "would never be summed",
+             size_);
     backend_ = backend;
     return;
   }
   if (backend == DdpBackend::Mpi) {
-    MB_CHECK(device.is_cpu(), "[distributed] ddp_backend = mpi sums host memory, and training is "
-             "on {}: use ddp_backend = nccl, or train on the CPU", device.str());
+    MB_CHECK(device.is_cpu(),
+             "[distributed] ddp_backend = mpi sums host memory, and training is "
+             "on {}: use ddp_backend = nccl, or train on the CPU",
+             device.str());
     backend_ = backend;
     return;
   }
-  MB_CHECK(device.is_cuda(), "[distributed] ddp_backend = nccl sums CUDA device memory, and "
-           "training is on {}: use ddp_backend = mpi", device.str());
+  MB_CHECK(device.is_cuda(),
+           "[distributed] ddp_backend = nccl sums CUDA device memory, and "
+           "training is on {}: use ddp_backend = mpi",
+           device.str());
 #ifdef MB_HAVE_NCCL
   if (nccl_ && nccl_->device == device.index) {
     backend_ = backend;
@@ -188,7 +197,8 @@ void ProcessGroup::use(DdpBackend backend, Device device) {
   nccl_ = std::move(nccl);
   backend_ = backend;
 #else
-  MB_CHECK(false, "[distributed] ddp_backend = nccl, but this build has no NCCL (a CUDA build "
+  MB_CHECK(false,
+           "[distributed] ddp_backend = nccl, but this build has no NCCL (a CUDA build "
            "with MPI links it where the CUDA folder holds libnccl)");
 #endif
 }
@@ -198,13 +208,19 @@ namespace {
 #ifdef MB_HAVE_MPI
 MPI_Datatype mpi_type(DType dtype) {
   switch (dtype) {
-    case DType::f32: return MPI_FLOAT;
-    case DType::f64: return MPI_DOUBLE;
-    case DType::i64: return MPI_INT64_T;
-    default: break;
+    case DType::f32:
+      return MPI_FLOAT;
+    case DType::f64:
+      return MPI_DOUBLE;
+    case DType::i64:
+      return MPI_INT64_T;
+    default:
+      break;
   }
-  MB_CHECK(false, "[distributed] MPI cannot sum {} tensors (f32, f64 and i64 only): keep "
-           "gradients in f32 (gradient_accumulation_dtype = f32)", dtype_name(dtype));
+  MB_CHECK(false,
+           "[distributed] MPI cannot sum {} tensors (f32, f64 and i64 only): keep "
+           "gradients in f32 (gradient_accumulation_dtype = f32)",
+           dtype_name(dtype));
   return MPI_DATATYPE_NULL;
 }
 #endif
@@ -212,12 +228,18 @@ MPI_Datatype mpi_type(DType dtype) {
 #ifdef MB_HAVE_NCCL
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {
-    case DType::f32: return ncclFloat32;
-    case DType::f64: return ncclFloat64;
-    case DType::f16: return ncclFloat16;
-    case DType::bf16: return ncclBfloat16;
-    case DType::i64: return ncclInt64;
-    default: break;
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::i64:
+      return ncclInt64;
+    default:
+      break;
   }
   MB_CHECK(false, "[distributed] NCCL cannot sum {} tensors", dtype_name(dtype));
   return ncclFloat32;
@@ -343,7 +365,8 @@ Device rank_device(const ProcessGroup& group, Device device) {
     return cuda_device(0);
   MB_CHECK(group.local_rank() < count,
            "[distributed] rank {} is local rank {} on this machine, which has {} CUDA device(s): "
-           "start at most one process per GPU", group.rank(), group.local_rank(), count);
+           "start at most one process per GPU",
+           group.rank(), group.local_rank(), count);
   return cuda_device(group.local_rank());
 }
 
@@ -365,11 +388,13 @@ std::int64_t share_size(std::int64_t n, int rank, int size) {
   return n / size + (rank < n % size ? 1 : 0);
 }
 
-std::vector<std::int64_t> window_share(const std::vector<std::int64_t>& window, int rank, int size) {
+std::vector<std::int64_t> window_share(const std::vector<std::int64_t>& window, int rank,
+                                       int size) {
   const auto n = static_cast<std::int64_t>(window.size());
   std::vector<std::int64_t> share;
   share.reserve(static_cast<std::size_t>(share_size(n, rank, size)));
-  for (std::int64_t i = rank; i < n; i += size) share.push_back(window[static_cast<std::size_t>(i)]);
+  for (std::int64_t i = rank; i < n; i += size)
+    share.push_back(window[static_cast<std::size_t>(i)]);
   return share;
 }
 

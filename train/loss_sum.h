@@ -67,9 +67,8 @@ class LossSum {
       return;
     }
     // A sum of its own, which no loss tensor shares.
-    device_sum_ = device_sum_.defined()
-                      ? device_sum_ + host_
-                      : scalar_tensor(host_, {.dtype = DType::f64}).to(device_);
+    device_sum_ = device_sum_.defined() ? device_sum_ + host_
+                                        : scalar_tensor(host_, {.dtype = DType::f64}).to(device_);
     host_ = 0.0;
     group.all_reduce_sum(device_sum_);
   }

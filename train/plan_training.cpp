@@ -67,10 +67,11 @@ struct RankWindows {
 };
 std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
-                                                 const TrainingArguments& args, RankWindows windows_of,
-                                                 std::int64_t micro, std::int64_t token_budget) {
-  DataLoader loader(data, {.batch_size = windows_of.global, .shuffle = true,
-                           .seed = args.seed, .prefetch = 0});
+                                                 const TrainingArguments& args,
+                                                 RankWindows windows_of, std::int64_t micro,
+                                                 std::int64_t token_budget) {
+  DataLoader loader(
+      data, {.batch_size = windows_of.global, .shuffle = true, .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
   // The run's windows as train() counts them (max_steps, else the epochs'), the first
   // kWindowsScanned of them.
@@ -120,8 +121,9 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
 
 std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, int world) {
   // min(rank_effective x world, samples), without the product's overflow.
-  return rank_effective >= samples / world + (samples % world != 0 ? 1 : 0) ? samples
-                                                                           : rank_effective * world;
+  return rank_effective >= samples / world + (samples % world != 0 ? 1 : 0)
+             ? samples
+             : rank_effective * world;
 }
 
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,

@@ -61,8 +61,9 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   model_->to(device_);
   plan_ = make_plan();
   // The same on every rank, whatever each planned: the ranks' loaders must cut the same windows.
-  global_batch_ = global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
-                                train_set_.size(), group_->size());
+  global_batch_ =
+      global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
+                    train_set_.size(), group_->size());
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -80,7 +81,6 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
   return inputs.to(*compute_dtype_);
 }
 
-
 MemoryPlan Trainer::make_plan() {
   return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_,
                        group_->size(), group_->rank());
@@ -91,7 +91,8 @@ TrainingArguments rank_arguments(const TrainingArguments& args, int world) {
   if (world > 1 && args.train_batch_size > 0) {
     MB_CHECK(args.train_batch_size % world == 0,
              "[Trainer] train_batch_size {} is not divisible by the {} processes of this run: each "
-             "takes an equal share of the effective batch", args.train_batch_size, world);
+             "takes an equal share of the effective batch",
+             args.train_batch_size, world);
     rank.train_batch_size = args.train_batch_size / world;
   }
   return rank;
@@ -216,8 +217,9 @@ TrainOutput Trainer::train() {
       for (const std::string& path : old) fs::remove_all(path);
     }
   }
-  // In a data-parallel run rank 0 alone writes the log, the checkpoints and the weights, and prints;
-  // the other ranks' log stays closed (what is written to it is dropped) and they print nothing.
+  // In a data-parallel run rank 0 alone writes the log, the checkpoints and the weights, and
+  // prints; the other ranks' log stays closed (what is written to it is dropped) and they print
+  // nothing.
   std::ofstream log_file;
   if (main) {
     log_file.open(log_path, resuming ? std::ios::app : std::ios::trunc);
@@ -250,7 +252,9 @@ TrainOutput Trainer::train() {
                              .eps = args_.adam_epsilon, .weight_decay = args_.weight_decay});
   // The model's ignore_index pads token labels and is left out of each micro-batch's items (Note
   // [Batch items]), so that the weights are the shares of the items its loss averages over.
-  DataLoader loader(train_set_, {.batch_size = global_batch_, .shuffle = true, .seed = args_.seed,
+  DataLoader loader(train_set_, {.batch_size = global_batch_,
+                                 .shuffle = true,
+                                 .seed = args_.seed,
                                  .prefetch = 0,
                                  .collate = {.ignore_index = model_->ignore_index()}});
   const std::int64_t windows_per_epoch = loader.num_batches();
@@ -413,10 +417,11 @@ TrainOutput Trainer::train() {
     // they drew); a run with as many ranks takes its own, any other run rank 0's.
     if (st.contains("rng_ranks")) {
       const nlohmann::json& all = st.at("rng_ranks");
-      const bool ok = all.is_array() && std::all_of(all.begin(), all.end(), [](const nlohmann::json& e) {
-                        return e.is_array() && e.size() == 2 && e[0].is_number_unsigned() &&
-                               e[1].is_number_unsigned();
-                      });
+      const bool ok =
+          all.is_array() && std::all_of(all.begin(), all.end(), [](const nlohmann::json& e) {
+            return e.is_array() && e.size() == 2 && e[0].is_number_unsigned() &&
+                   e[1].is_number_unsigned();
+          });
       MB_CHECK(ok, "[Trainer] {}: 'rng_ranks' must be a list of [seed, offset] pairs", state_file);
       if (all.size() == static_cast<std::size_t>(group_->size())) {
         const nlohmann::json& mine = all.at(static_cast<std::size_t>(group_->rank()));
@@ -525,8 +530,8 @@ TrainOutput Trainer::train() {
     }
     empty_cache(device_);
     if (main) {
-      MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos, "checkpoint saved as {}",
-                path);
+      MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos,
+                "checkpoint saved as {}", path);
       log_file << line;
       log_file.flush();
     }
@@ -762,21 +767,22 @@ TrainOutput Trainer::train() {
         splits = group_->all_reduce_sum(oom_splits);
       }
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      nlohmann::json line{{"step", step},
-                          {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
-                          {"loss", loss},
-                          {"learning_rate", lr},
-                          {"grad_norm", norm.norm},
-                          {"samples", samples},
-                          {"tokens", tokens},
-                          {"micro_batch_size", plan_.micro_batch_size},
-                          {"token_budget", token_budget},
-                          {"steps_per_window", micro_batches},
-                          {"predicted_peak", plan_.predicted_peak},
-                          {"measured_peak", peak},
-                          {"oom_splits", splits},
-                          {"skipped_steps", skipped},
-                          {"seconds", secs}};
+      nlohmann::json line{
+          {"step", step},
+          {"epoch", static_cast<double>(step) / static_cast<double>(windows_per_epoch)},
+          {"loss", loss},
+          {"learning_rate", lr},
+          {"grad_norm", norm.norm},
+          {"samples", samples},
+          {"tokens", tokens},
+          {"micro_batch_size", plan_.micro_batch_size},
+          {"token_budget", token_budget},
+          {"steps_per_window", micro_batches},
+          {"predicted_peak", plan_.predicted_peak},
+          {"measured_peak", peak},
+          {"oom_splits", splits},
+          {"skipped_steps", skipped},
+          {"seconds", secs}};
       if (scaler) line["loss_scale"] = scaler->scale();
       log_file << line.dump() << "\n";
       log_file.flush();
@@ -787,17 +793,18 @@ TrainOutput Trainer::train() {
       } else if (tty) {
         const int width = 30;
         const int done = static_cast<int>(width * step / total_steps);
-        out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}", std::string(done, '#'),
-                           std::string(width - done, ' '), step, total_steps, loss, lr,
-                           format_bytes(peak));
+        out << fmt::format("\r[{}{}] {}/{} | loss {:.4f} | lr {:.2e} | peak {}",
+                           std::string(done, '#'), std::string(width - done, ' '), step,
+                           total_steps, loss, lr, format_bytes(peak));
         out << scale_text;
         if (step == total_steps) out << "\n";
       } else {
-        out << fmt::format("step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
-                           "micro {} x {} | peak {} (predicted {})",
-                           step, total_steps, line["epoch"].get<double>(), loss, lr, norm.norm,
-                           plan_.micro_batch_size, micro_batches, format_bytes(peak),
-                           plan_.predicted_peak > 0 ? format_bytes(plan_.predicted_peak) : std::string("-"));
+        out << fmt::format(
+            "step {:>6}/{} | epoch {:.2f} | loss {:.4f} | lr {:.2e} | grad_norm {:.3f} | "
+            "micro {} x {} | peak {} (predicted {})",
+            step, total_steps, line["epoch"].get<double>(), loss, lr, norm.norm,
+            plan_.micro_batch_size, micro_batches, format_bytes(peak),
+            plan_.predicted_peak > 0 ? format_bytes(plan_.predicted_peak) : std::string("-"));
         out << scale_text << "\n";
       }
       out.flush();
@@ -821,7 +828,9 @@ TrainOutput Trainer::train() {
     const bool saved_last = args_.saves_after(step);
     if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && !saved_last)) save();
   }
-  if (main) save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(), model_->state_dict());
+  if (main)
+    save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(),
+                     model_->state_dict());
   group_->barrier();  // rank 0's files are written when train() returns on any rank
 
   TrainOutput result;
@@ -871,7 +880,8 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
   for (;;) {
     try {
       const std::int64_t ignore_index = model_->ignore_index();
-      DataLoader loader(source, {.batch_size = eval_batch_size_, .prefetch = 0,
+      DataLoader loader(source, {.batch_size = eval_batch_size_,
+                                 .prefetch = 0,
                                  .collate = {.ignore_index = ignore_index}});
       double loss_sum = 0.0;
       std::int64_t items = 0;

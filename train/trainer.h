@@ -57,14 +57,14 @@ std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, in
 /// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`). In a
 /// data-parallel run each rank plans with rank_arguments(), on `rank`'s shares of the `world`
 /// ranks' windows (whose sequences' lengths are its micro-batches' shapes).
-MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args, const Dataset& train_set,
-                         Device device, int world = 1, int rank = 0);
+MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
+                         const Dataset& train_set, Device device, int world = 1, int rank = 0);
 
 struct TrainOutput {
   std::int64_t global_step = 0;
   double training_loss = 0.0;  // mean of the windows' losses
   Metrics metrics;             // the last evaluation, eval_ prefixed
-  std::int64_t oom_splits = 0; // micro-batches split after running out of memory (this rank's)
+  std::int64_t oom_splits = 0;     // micro-batches split after running out of memory (this rank's)
   std::int64_t skipped_steps = 0;  // windows whose gradients were not finite (no update)
 };
 
@@ -120,8 +120,8 @@ class Trainer {
   // The device's reserved peak over the last evaluation's batches, before its predictions were
   // put together outside the budget (Note [Predictions outside the budget] in trainer.cpp).
   std::int64_t eval_peak_ = 0;
-  Device device_ = kCPU;       // args.training_device(); a rank's own GPU in a data-parallel run
-  ProcessGroup* group_;        // the processes of a data-parallel run (Note [Data parallel])
+  Device device_ = kCPU;  // args.training_device(); a rank's own GPU in a data-parallel run
+  ProcessGroup* group_;   // the processes of a data-parallel run (Note [Data parallel])
   std::int64_t global_batch_ = 0;  // the effective batch over every rank: a window's samples
   std::int64_t baseline_ = 0;  // device bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16

@@ -309,9 +309,10 @@ TEST_CASE("the command: plan --processes plans rank 0's share of a data-parallel
   r = run_command(plan, out);
   REQUIRE(r.status == 0);
   CHECK(nlohmann::json::parse(r.output).at("effective_batch") == 32);
-  expect_refusals({{plan + " --processes 3", "train_batch_size 32 is not divisible by the 3 processes"},
-                   {plan + " --processes 0", "--processes must be >= 1, got 0"}},
-                  out);
+  expect_refusals(
+      {{plan + " --processes 3", "train_batch_size 32 is not divisible by the 3 processes"},
+       {plan + " --processes 0", "--processes must be >= 1, got 0"}},
+      out);
 }
 
 TEST_CASE("the command: --help gives every TrainingArguments flag's default and kind") {

@@ -247,7 +247,8 @@ TEST_CASE("data parallel: under fp16 an overflow on one rank skips the step on e
   CHECK(a.skipped_steps == 2);  // the poisoned window of each epoch
   CHECK(a.skipped_steps == b.skipped_steps);
   CHECK(world().all_reduce_max(a.skipped_steps) == world().all_reduce_sum(a.skipped_steps) / 2);
-  CHECK(max_difference(together, single) < 1e-3);  // f16 working weights: one rounding apart at most
+  CHECK(max_difference(together, single) <
+        1e-3);  // f16 working weights: one rounding apart at most
   CHECK(same_on_every_rank(together));
 }
 
@@ -285,7 +286,8 @@ TEST_CASE("data parallel: evaluation sums the ranks' shares; metrics see the who
   Trainer with_metrics(small_mlp(), args, data, &eval, classification_metrics);
   args.output_dir = (dir.path / fmt::format("alone-{}", world().rank())).string();
   args.per_device_train_batch_size = 8;
-  Trainer alone_metrics(small_mlp(), args, data, &eval, classification_metrics, &ProcessGroup::solo());
+  Trainer alone_metrics(small_mlp(), args, data, &eval, classification_metrics,
+                        &ProcessGroup::solo());
   const Metrics m = with_metrics.evaluate(), reference = alone_metrics.evaluate();
   CHECK(m.at("eval_accuracy") == reference.at("eval_accuracy"));
   CHECK(std::abs(m.at("eval_loss") - reference.at("eval_loss")) < 1e-6);
@@ -335,8 +337,11 @@ TEST_CASE("data parallel: with dropout a resumed run draws each rank's own strea
   SharedDir dir;
   auto train_dropout = [&](const TrainingArguments& args) {
     std::ostringstream sink;
-    Trainer trainer([] { return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}, .dropout = 0.3}); },
-                    args, data);
+    Trainer trainer(
+        [] {
+          return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {64, 32}, .dropout = 0.3});
+        },
+        args, data);
     trainer.set_log_stream(&sink);
     trainer.train();
     return trainer.model().state_dict();
@@ -381,7 +386,10 @@ TEST_CASE("data parallel: the Accelerator sums each window's gradients over the 
     optim::ParamStore store(*model);
     optim::AdamW adamw(store, {.lr = 1e-3});
     auto optimizer = accelerator.prepare(adamw);
-    DataLoader loader(data, {.batch_size = batch, .shuffle = true, .seed = 9, .prefetch = 0,
+    DataLoader loader(data, {.batch_size = batch,
+                             .shuffle = true,
+                             .seed = 9,
+                             .prefetch = 0,
                              .num_replicas = replicas,
                              .rank = replicas > 1 ? accelerator.process_index() : 0});
     WindowedLoader windows = accelerator.prepare(loader);
@@ -408,7 +416,8 @@ TEST_CASE("data parallel: the Accelerator sums each window's gradients over the 
   check_throws_with([&] { accelerator.prepare(unsharded); },
                     "was given a loader sharded as rank 0 of 1");
 
-  // Outside a scope this process's share of the window is unknown: the sum would be twice the mean's.
+  // Outside a scope this process's share of the window is unknown: the sum would be twice the
+  // mean's.
   auto model = small_mlp()();
   accelerator.prepare_model(*model);
   const Batch b = collate({data.get(0), data.get(1)});

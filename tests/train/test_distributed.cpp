@@ -53,7 +53,8 @@ std::vector<std::int64_t> all_indices(DataLoader& loader) {
 
 TEST_CASE("distributed: the launcher's environment gives the size, rank and local rank") {
   {
-    EnvGuard env({{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "3"},
+    EnvGuard env({{"OMPI_COMM_WORLD_SIZE", "4"},
+                  {"OMPI_COMM_WORLD_RANK", "3"},
                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}});
     const LaunchInfo info = launch_info();
     CHECK(info.size == 4);
@@ -62,7 +63,8 @@ TEST_CASE("distributed: the launcher's environment gives the size, rank and loca
   }
   {
     EnvGuard env({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "2"}});
-    check_throws_with([] { launch_info(); }, "OMPI_COMM_WORLD_RANK = '2' is not a whole number in [0, 1]");
+    check_throws_with([] { launch_info(); },
+                      "OMPI_COMM_WORLD_RANK = '2' is not a whole number in [0, 1]");
   }
   {
     EnvGuard env({{"PMI_SIZE", "two"}, {"PMI_RANK", "0"}});
@@ -97,7 +99,8 @@ TEST_CASE("distributed: ddp_backend names") {
   CHECK(parse_ddp_backend("", one, cuda_device(0)) == DdpBackend::None);
   CHECK(parse_ddp_backend("mpi", one, kCPU) == DdpBackend::Mpi);
   CHECK(parse_ddp_backend("nccl", one, cuda_device(0)) == DdpBackend::Nccl);
-  check_throws_with([&] { parse_ddp_backend("gloo", one, kCPU); }, "must be auto, mpi or nccl, got 'gloo'");
+  check_throws_with([&] { parse_ddp_backend("gloo", one, kCPU); },
+                    "must be auto, mpi or nccl, got 'gloo'");
   TrainingArguments args;
   args.ddp_backend = "gloo";
   check_throws_with([&] { args.validate(); }, "ddp_backend must be auto, mpi or nccl, got 'gloo'");
@@ -128,8 +131,12 @@ TEST_CASE("distributed: a sharded DataLoader pads as DistributedSampler and spli
   const std::vector<std::int64_t> order = all_indices(whole);
   std::set<std::int64_t> seen;
   for (std::int64_t rank = 0; rank < 3; ++rank) {
-    DataLoader shard(data, {.batch_size = 3, .shuffle = true, .seed = 5, .prefetch = 0,
-                            .num_replicas = 3, .rank = rank});
+    DataLoader shard(data, {.batch_size = 3,
+                            .shuffle = true,
+                            .seed = 5,
+                            .prefetch = 0,
+                            .num_replicas = 3,
+                            .rank = rank});
     shard.set_epoch(1);
     CHECK(shard.samples_per_epoch() == 4);  // ceil(10 / 3), the order padded to 12
     CHECK(shard.num_batches() == 2);
@@ -169,8 +176,8 @@ TEST_CASE("distributed: each rank plans for its share of a window cut to the tra
   // 9 examples, 5 a rank over 2 processes: one window of all 9, 5 for rank 0 and 4 for rank 1.
   // Planning needs no other process: plan_training takes the world's size and the rank.
   TensorDataset data = synthetic_images(9, 6);
-  TrainingArguments args{.per_device_train_batch_size = 5, .memory_budget = 64 << 20,
-                         .use_cpu = true};
+  TrainingArguments args{
+      .per_device_train_batch_size = 5, .memory_budget = 64 << 20, .use_cpu = true};
   CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 0).effective_batch == 5);
   CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
   CHECK(plan_training(small_mlp(), args, data, kCPU, 1, 0).effective_batch == 5);

@@ -352,16 +352,21 @@ TEST_CASE("Trainer: a malformed trainer state names its field instead of abortin
   check_throws_with([&] { resume_with("scheduler_steps", 100); }, "100 schedule steps and 0 skipped steps in 2");
   check_throws_with([&] { resume_with("args", nlohmann::json::array({1})); }, "'args' must be a JSON object");
   check_throws_with([&] { resume_with("model", "mlp"); }, "'model' must be a JSON object, got \"mlp\"");
-  check_throws_with([&] { resume_with("rng_ranks", nlohmann::json::array({{1, -2}})); },
-                    "'rng_ranks' must be a list of [seed, offset] pairs");
-  check_throws_with([&] { resume_with("effective_batch", "16"); }, "'effective_batch' must be a whole number");
+  check_throws_with(
+      [&] {
+        resume_with("rng_ranks", nlohmann::json::array({{1, -2}}));
+      },
+      "'rng_ranks' must be a list of [seed, offset] pairs");
+  check_throws_with([&] { resume_with("effective_batch", "16"); },
+                    "'effective_batch' must be a whole number");
   check_throws_with([&] { resume_with("effective_batch", 32); },
                     "trained with an effective batch of 32, this run has 16");
   {
     // A checkpoint from before data-parallel runs (no effective batch, processes or per-rank
     // streams) resumes on its plan's batch.
     CheckpointData older = good;
-    for (const char* field : {"effective_batch", "world_size", "rng_ranks"}) older.trainer_state.erase(field);
+    for (const char* field : {"effective_batch", "world_size", "rng_ranks"})
+      older.trainer_state.erase(field);
     resume_from(older, dir.path / "older", train_set);
     older.trainer_state["plan"]["effective_batch"] = 8;
     check_throws_with([&] { resume_from(older, dir.path / "older-8", train_set); },
