@@ -15,52 +15,39 @@ common=(train --model gpt --dataset synthetic --synthetic-size 88 --vocab-size 3
         --n-layer 1 --n-head 2 --n-embd 32 --max-steps 8 --logging-steps 1 --use-cpu --json
         --gradient-accumulation-steps 2 --learning-rate 3e-3)
 
-"$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 4 --output-dir "$WORK/two" \
-  > "$WORK/two.out"
-"$CLI" "${common[@]}" --per-device-train-batch-size 8 --output-dir "$WORK/one" > "$WORK/one.out"
-
-python3 - "$WORK" <<'PY'
+# Runs `common` in PROCESSES processes of MICRO a rank and in one of PROCESSES x MICRO, and
+# compares their logs step by step; SAMPLES_AT_5 and SAMPLES_AT_6 are the samples counted after
+# steps 5 and 6, around the epoch's short last window.
+compare_with_one_process() {
+  local processes="$1" micro="$2" samples_at_5="$3" samples_at_6="$4"
+  "$MPIRUN" -np "$processes" "$CLI" "${common[@]}" --per-device-train-batch-size "$micro" \
+    --output-dir "$WORK/many$processes" > "$WORK/many$processes.out"
+  "$CLI" "${common[@]}" --per-device-train-batch-size $((processes * micro)) \
+    --output-dir "$WORK/one$processes" > "$WORK/one$processes.out"
+  python3 - "$WORK" "$processes" "$samples_at_5" "$samples_at_6" <<'PY'
 import json, sys
-work = sys.argv[1]
+work, processes, at5, at6 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def steps(path):
-    out = []
-    for line in open(path):
-        j = json.loads(line)
-        if "loss" in j and "event" not in j:
-            out.append(j)
-    return out
-two, one = steps(f"{work}/two/log.jsonl"), steps(f"{work}/one/log.jsonl")
-printed = [l for l in open(f"{work}/two.out") if l.startswith("{") and '"loss"' in l and '"event"' not in l]
-assert len(two) == len(one) == 8, (len(two), len(one))
-assert len(printed) == 8, f"{len(printed)} step lines printed by the two ranks: rank 0 alone prints"
-assert two[5]["samples"] == 88 and two[6]["samples"] == 104, (two[5], two[6])
-for a, b in zip(two, one):
+    return [j for j in map(json.loads, open(path)) if "loss" in j and "event" not in j]
+many, one = steps(f"{work}/many{processes}/log.jsonl"), steps(f"{work}/one{processes}/log.jsonl")
+printed = [l for l in open(f"{work}/many{processes}.out")
+           if l.startswith("{") and '"loss"' in l and '"event"' not in l]
+assert len(many) == len(one) == 8, (len(many), len(one))
+assert len(printed) == 8, f"{len(printed)} step lines printed by {processes} ranks: rank 0 alone prints"
+assert many[4]["samples"] == at5 and many[5]["samples"] == at6, (many[4], many[5])
+for a, b in zip(many, one):
     assert a["samples"] == b["samples"] and a["tokens"] == b["tokens"], (a, b)
     assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
     assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, b["grad_norm"]), (a, b)
-print("two processes:", [round(s["loss"], 6) for s in two])
-print("one process:  ", [round(s["loss"], 6) for s in one])
+print(f"{processes} processes:", [round(s["loss"], 6) for s in many])
+print("1 process:  ", [round(s["loss"], 6) for s in one])
 PY
+}
 
-# Three processes, windows of 18 (3 x 2 a rank): shares of 6 each, and the epoch's last window of
-# 16 is shared 6, 5 and 5.
-"$MPIRUN" -np 3 "$CLI" "${common[@]}" --per-device-train-batch-size 3 --output-dir "$WORK/three" \
-  > "$WORK/three.out"
-"$CLI" "${common[@]}" --per-device-train-batch-size 9 --output-dir "$WORK/one18" > "$WORK/one18.out"
-python3 - "$WORK" <<'PY'
-import json, sys
-work = sys.argv[1]
-def steps(path):
-    return [j for j in map(json.loads, open(path)) if "loss" in j and "event" not in j]
-three, one = steps(f"{work}/three/log.jsonl"), steps(f"{work}/one18/log.jsonl")
-assert len(three) == len(one) == 8, (len(three), len(one))
-assert three[4]["samples"] == 88 and three[5]["samples"] == 106, (three[4], three[5])
-for a, b in zip(three, one):
-    assert abs(a["loss"] - b["loss"]) < 1e-5 * max(1.0, abs(b["loss"])), (a["step"], a["loss"], b["loss"])
-    assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, b["grad_norm"]), (a, b)
-print("three processes:", [round(s["loss"], 6) for s in three])
-print("one process:    ", [round(s["loss"], 6) for s in one])
-PY
+# Windows of 16: the epoch's sixth window holds the last 8 sequences, 4 a rank.
+compare_with_one_process 2 4 80 88
+# Three processes, windows of 18 (3 x 2 a rank): the epoch's last window of 16 is shared 6, 5, 5.
+compare_with_one_process 3 3 88 106
 
 # A bad argument fails on every rank, and the run ends with its message rather than hanging.
 set +e
