@@ -130,10 +130,10 @@ Accelerator::Accelerator(AcceleratorConfig config)
     device_ = d;
   } else {
     device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
-    device_ = rank_device(*group_, device_);
   }
-  if (group_->size() > 1)
-    group_->use(parse_ddp_backend(config.ddp_backend, *group_, device_), device_);
+  device_ = prepare_rank(*group_, device_,
+                         config.device ? DeviceIndex::Named : DeviceIndex::Default,
+                         config.ddp_backend);
 }
 
 namespace {

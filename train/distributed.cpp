@@ -45,14 +45,6 @@ bool mpi_built() {
 #endif
 }
 
-bool nccl_built() {
-#ifdef MB_HAVE_NCCL
-  return true;
-#else
-  return false;
-#endif
-}
-
 namespace {
 
 // The first of `names` set in the environment, as a whole number in [lo, hi]; nullopt when none is.
@@ -317,6 +309,16 @@ std::int64_t ProcessGroup::all_reduce_max(std::int64_t value) {
   return value;
 }
 
+std::vector<std::int64_t> ProcessGroup::all_gather(const std::vector<std::int64_t>& mine) {
+  if (size_ == 1) return mine;
+  std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size_));
+#ifdef MB_HAVE_MPI
+  MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_INT64_T, all.data(),
+                static_cast<int>(mine.size()), MPI_INT64_T, MPI_COMM_WORLD);
+#endif
+  return all;
+}
+
 void ProcessGroup::broadcast(Tensor& t, int root) {
   check_collective_tensor(t, "broadcast");
   MB_CHECK(root >= 0 && root < size_, "[distributed] broadcast from rank {} in a world of {}", root,
@@ -370,17 +372,23 @@ Device rank_device(const ProcessGroup& group, Device device) {
   return cuda_device(group.local_rank());
 }
 
-DdpBackend default_ddp_backend(const ProcessGroup& group, Device device) {
-  if (group.size() == 1) return DdpBackend::None;
-  return device.is_cuda() ? DdpBackend::Nccl : DdpBackend::Mpi;
-}
-
 DdpBackend parse_ddp_backend(const std::string& name, const ProcessGroup& group, Device device) {
-  if (name.empty() || name == "auto") return default_ddp_backend(group, device);
+  if (name.empty() || name == "auto") {
+    if (group.size() == 1) return DdpBackend::None;
+    return device.is_cuda() ? DdpBackend::Nccl : DdpBackend::Mpi;
+  }
   if (name == "mpi") return DdpBackend::Mpi;
   if (name == "nccl") return DdpBackend::Nccl;
   MB_CHECK(false, "[distributed] ddp_backend must be auto, mpi or nccl, got '{}'", name);
   return DdpBackend::None;
+}
+
+Device prepare_rank(ProcessGroup& group, Device device, DeviceIndex index,
+                    const std::string& ddp_backend) {
+  if (group.size() == 1) return device;
+  if (index == DeviceIndex::Default) device = rank_device(group, device);
+  group.use(parse_ddp_backend(ddp_backend, group, device), device);
+  return device;
 }
 
 std::int64_t share_size(std::int64_t n, int rank, int size) {

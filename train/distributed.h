@@ -40,9 +40,8 @@ namespace microbatch::train {
 enum class DdpBackend { None, Mpi, Nccl };
 const char* ddp_backend_name(DdpBackend backend);
 
-/// Whether this build can run worlds of more than one process (MPI), and sum on a GPU (NCCL).
+/// Whether this build can run worlds of more than one process (MPI).
 bool mpi_built();
-bool nccl_built();
 
 /// The size, rank and local rank the launcher gave this process, from its environment alone (no
 /// MPI call): {1, 0, 0} without a launcher. Malformed values are an error naming the variable.
@@ -80,6 +79,9 @@ class ProcessGroup {
   double all_reduce_sum(double value);
   std::int64_t all_reduce_sum(std::int64_t value);
   std::int64_t all_reduce_max(std::int64_t value);
+  /// Every rank's `mine` (each as long as the others'), rank after rank (MPI; a world of one
+  /// returns its own).
+  std::vector<std::int64_t> all_gather(const std::vector<std::int64_t>& mine);
   /// Copies rank `root`'s bytes of a contiguous tensor into every rank's.
   void broadcast(Tensor& t, int root = 0);
   void barrier();
@@ -116,11 +118,17 @@ class ProcessGroup {
 /// the process one GPU of its own; anything else stays as asked.
 Device rank_device(const ProcessGroup& group, Device device);
 
-/// The default backend for training on `device`: None in a world of one, else Nccl on CUDA and
-/// Mpi on the CPU.
-DdpBackend default_ddp_backend(const ProcessGroup& group, Device device);
-/// "auto" (or empty), "mpi" or "nccl" (Hugging Face's ddp_backend).
+/// "auto" (or empty), "mpi" or "nccl" (Hugging Face's ddp_backend). Auto is None in a world of
+/// one, else Nccl on CUDA and Mpi on the CPU.
 DdpBackend parse_ddp_backend(const std::string& name, const ProcessGroup& group, Device device);
+
+/// Whether a device asked for names its CUDA index (kept), or leaves it to the rank.
+enum class DeviceIndex { Named, Default };
+/// Readies a rank of `group` to train where `device` was asked: in a world of more than one, on
+/// its own GPU (rank_device, unless the index was named) and with the backend `ddp_backend` names
+/// made ready there (use). Returns where the rank trains; a world of one keeps `device`.
+Device prepare_rank(ProcessGroup& group, Device device, DeviceIndex index,
+                    const std::string& ddp_backend);
 
 /// How many of `n` samples are rank `rank`'s in a world of `size`: positions rank, rank + size, ...
 /// (the ranks' shares differ by at most one).

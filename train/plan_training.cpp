@@ -121,9 +121,7 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
 
 std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, int world) {
   // min(rank_effective x world, samples), without the product's overflow.
-  return rank_effective >= samples / world + (samples % world != 0 ? 1 : 0)
-             ? samples
-             : rank_effective * world;
+  return rank_effective >= share_size(samples, 0, world) ? samples : rank_effective * world;
 }
 
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,

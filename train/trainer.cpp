@@ -45,12 +45,11 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
            "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set eval_strategy = no",
            args_.eval_strategy);
-  device_ = args_.training_device();
-  if (group_->size() > 1) {
-    // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
-    if (args_.device.find(':') == std::string::npos) device_ = rank_device(*group_, device_);
-    group_->use(parse_ddp_backend(args_.ddp_backend, *group_, device_), device_);
-  }
+  // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
+  device_ = prepare_rank(*group_, args_.training_device(),
+                         args_.device.find(':') == std::string::npos ? DeviceIndex::Default
+                                                                     : DeviceIndex::Named,
+                         args_.ddp_backend);
   empty_cache(device_);
   baseline_ = memory_stats(device_).reserved.current;
   if (args_.fp16) compute_dtype_ = DType::f16;
@@ -483,15 +482,12 @@ TrainOutput Trainer::train() {
     if (!rng) rng = default_generator().state();
     nlohmann::json rank_rngs = nlohmann::json::array();
     if (group_->size() > 1) {
-      // Every rank's stream, gathered as a sum of slots that only their own rank fills.
-      Tensor states = zeros({2 * group_->size()}, {.dtype = DType::i64});
-      auto* slots = states.data<std::int64_t>();
-      slots[2 * group_->rank()] = static_cast<std::int64_t>(rng->seed);
-      slots[2 * group_->rank() + 1] = static_cast<std::int64_t>(rng->offset);
-      group_->all_reduce_sum(states);
-      for (int r = 0; r < group_->size(); ++r)
-        rank_rngs.push_back({static_cast<std::uint64_t>(slots[2 * r]),
-                             static_cast<std::uint64_t>(slots[2 * r + 1])});
+      // Every rank's stream.
+      const std::vector<std::int64_t> all = group_->all_gather(
+          {static_cast<std::int64_t>(rng->seed), static_cast<std::int64_t>(rng->offset)});
+      for (std::size_t r = 0; r < all.size(); r += 2)
+        rank_rngs.push_back(
+            {static_cast<std::uint64_t>(all[r]), static_cast<std::uint64_t>(all[r + 1])});
     }
     if (main) {
       CheckpointData data;
@@ -633,10 +629,10 @@ TrainOutput Trainer::train() {
     const std::vector<std::int64_t> indices =
         group_->size() > 1 ? window_share(window_indices, group_->rank(), group_->size())
                            : window_indices;
+    // A short last window with fewer samples than ranks leaves a rank no micro-batch: it only
+    // sums with the others.
     std::vector<Chunk> chunks;
-    if (indices.empty()) {
-      // A short last window with fewer samples than ranks: this one only sums with the others.
-    } else if (token_budget > 0) {
+    if (token_budget > 0) {
       std::vector<std::int64_t> lengths;
       for (std::int64_t i : indices) lengths.push_back(train_set_.get(i).input.numel());
       chunks = pack_window(indices, lengths, token_budget);

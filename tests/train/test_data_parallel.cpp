@@ -107,6 +107,8 @@ TEST_CASE("data parallel: sums and broadcasts over MPI") {
   CHECK(world().all_reduce_sum(0.25 + r) == 1.5);
   CHECK(world().all_reduce_sum(std::int64_t{3}) == 6);
   CHECK(world().all_reduce_max(static_cast<std::int64_t>(5 * r)) == 5);
+  const std::int64_t k = world().rank();
+  CHECK(world().all_gather({k, 10 + k}) == std::vector<std::int64_t>{0, 10, 1, 11});
   Tensor bytes = from_vector({r, r + 1.0}, {2}, {.dtype = DType::u8});
   world().broadcast(bytes, 1);  // rank 1's bytes everywhere
   CHECK(bytes.data<std::uint8_t>()[0] == 1);

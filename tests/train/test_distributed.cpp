@@ -84,6 +84,7 @@ TEST_CASE("distributed: a world of one sums nothing and refuses no input") {
   CHECK(group.all_reduce_sum(2.5) == 2.5);
   CHECK(group.all_reduce_sum(std::int64_t{7}) == 7);
   CHECK(group.all_reduce_max(std::int64_t{7}) == 7);
+  CHECK(group.all_gather({4, 5}) == std::vector<std::int64_t>{4, 5});
   group.broadcast(t);
   check_close(t, {1.0, 2.0, 3.0}, 0, 0);
   Tensor strided = from_vector({1.0, 2.0, 3.0, 4.0}, {2, 2}).transpose(0, 1);
