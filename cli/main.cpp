@@ -404,13 +404,13 @@ int run_plan(Options& o) {
   const int processes = static_cast<int>(std::min<std::int64_t>(o.processes, 1 << 20));
   Job job = make_job(o, false);
   // Planned on the meta device only: a plan for cuda needs no GPU here. For a data-parallel run,
-  // rank 0's plan: its share of each window is the largest.
+  // the plan every rank follows (its batch counts are rank 0's, whose shares are the largest).
   const mb::train::MemoryPlan plan =
       mb::train::plan_training(job.model_init, mb::train::rank_arguments(args, processes),
-                               *job.train_set, args.requested_device(), processes, 0);
+                               *job.train_set, args.requested_device(), processes);
   if (processes > 1 && !args.json)
-    std::cout << "rank 0 of " << processes
-              << " processes (each plans its own share of a window):\n";
+    std::cout << "the plan of every rank of " << processes
+              << " processes (the batch counts are rank 0's share of a window, the largest):\n";
   if (args.json) std::cout << plan.to_json().dump(2) << "\n";
   else std::cout << plan.str();
   return 0;
@@ -501,6 +501,13 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message
     // and an exit status, never an abort.
+    if (mb::train::ProcessGroup::failure_shared()) {
+      // Every rank of a data-parallel run has this error (Note [Failing together] in
+      // train/distributed.h): rank 0 says it, and each rank ends on its own.
+      if (mb::train::launch_info().rank == 0) std::cerr << "error: " << e.what() << "\n";
+      mb::train::ProcessGroup::world().finalize();
+      return 2;
+    }
     std::cerr << "error: " << e.what() << "\n";
     // The other ranks of a data-parallel run would wait for this one: end them all.
     mb::train::ProcessGroup::abort_if_distributed(2);

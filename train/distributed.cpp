@@ -153,46 +153,49 @@ void ProcessGroup::finalize() {
 }
 
 void ProcessGroup::use(DdpBackend backend, Device device) {
-  if (backend == DdpBackend::None) {
-    MB_CHECK(size_ == 1,
-             "[distributed] no backend in a world of {} processes: their gradients "
-             "would never be summed",
-             size_);
-    backend_ = backend;
-    return;
-  }
-  if (backend == DdpBackend::Mpi) {
-    MB_CHECK(device.is_cpu(),
-             "[distributed] ddp_backend = mpi sums host memory, and training is "
-             "on {}: use ddp_backend = nccl, or train on the CPU",
-             device.str());
-    backend_ = backend;
-    return;
-  }
-  MB_CHECK(device.is_cuda(),
-           "[distributed] ddp_backend = nccl sums CUDA device memory, and "
-           "training is on {}: use ddp_backend = mpi",
-           device.str());
-#ifdef MB_HAVE_NCCL
-  if (nccl_ && nccl_->device == device.index) {
-    backend_ = backend;
-    return;
-  }
-  nccl_.reset();
-  ncclUniqueId id{};
-  if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
-  if (size_ > 1) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
-  MB_CUDA_CHECK(cudaSetDevice(device.index));
-  auto nccl = std::make_unique<Nccl>();
-  nccl->device = device.index;
-  MB_NCCL_CHECK(ncclCommInitRank(&nccl->comm, size_, id, rank_));
-  nccl_ = std::move(nccl);
-  backend_ = backend;
-#else
-  MB_CHECK(false,
-           "[distributed] ddp_backend = nccl, but this build has no NCCL (a CUDA build "
-           "with MPI links it where the CUDA folder holds libnccl)");
+  // Refused on every rank together: a rank that refused alone would leave the others waiting in
+  // NCCL's set-up (Note [Failing together]).
+  together("readying its ddp_backend", [&] {
+    switch (backend) {
+      case DdpBackend::None:
+        MB_CHECK(size_ == 1,
+                 "[distributed] no backend in a world of {} processes: their gradients "
+                 "would never be summed",
+                 size_);
+        break;
+      case DdpBackend::Mpi:
+        MB_CHECK(device.is_cpu(),
+                 "[distributed] ddp_backend = mpi sums host memory, and training is "
+                 "on {}: use ddp_backend = nccl, or train on the CPU",
+                 device.str());
+        break;
+      case DdpBackend::Nccl:
+        MB_CHECK(device.is_cuda(),
+                 "[distributed] ddp_backend = nccl sums CUDA device memory, and "
+                 "training is on {}: use ddp_backend = mpi",
+                 device.str());
+#ifndef MB_HAVE_NCCL
+        MB_CHECK(false,
+                 "[distributed] ddp_backend = nccl, but this build has no NCCL (a CUDA build "
+                 "with MPI links it where the CUDA folder holds libnccl)");
 #endif
+        break;
+    }
+  });
+#ifdef MB_HAVE_NCCL
+  if (backend == DdpBackend::Nccl && !(nccl_ && nccl_->device == device.index)) {
+    nccl_.reset();
+    ncclUniqueId id{};
+    if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
+    if (size_ > 1) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+    MB_CUDA_CHECK(cudaSetDevice(device.index));
+    auto nccl = std::make_unique<Nccl>();
+    nccl->device = device.index;
+    MB_NCCL_CHECK(ncclCommInitRank(&nccl->comm, size_, id, rank_));
+    nccl_ = std::move(nccl);
+  }
+#endif
+  backend_ = backend;
 }
 
 namespace {
@@ -309,6 +312,43 @@ std::int64_t ProcessGroup::all_reduce_max(std::int64_t value) {
   return value;
 }
 
+namespace {
+
+bool g_failure_shared = false;  // ProcessGroup::failure_shared()
+
+// An exception's message, whatever it is.
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+}  // namespace
+
+void ProcessGroup::settle(std::exception_ptr mine, const std::string& doing) {
+  // The lowest failing rank, as size - rank under a maximum (0: none failed).
+  const std::int64_t lowest = all_reduce_max(mine ? size_ - rank_ : 0);
+  if (lowest == 0) return;
+  const int root = size_ - static_cast<int>(lowest);
+  std::string message = root == rank_ ? message_of(mine) : std::string();
+#ifdef MB_HAVE_MPI
+  auto length = static_cast<std::int64_t>(message.size());
+  MPI_Bcast(&length, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
+  message.resize(static_cast<std::size_t>(length));
+  MPI_Bcast(message.data(), static_cast<int>(length), MPI_CHAR, root, MPI_COMM_WORLD);
+#endif
+  g_failure_shared = true;
+  if (mine) std::rethrow_exception(mine);
+  throw Error(
+      fmt::format("[distributed] rank {} of {} failed while {}: {}", root, size_, doing, message));
+}
+
+bool ProcessGroup::failure_shared() { return g_failure_shared; }
+
 std::vector<std::int64_t> ProcessGroup::all_gather(const std::vector<std::int64_t>& mine) {
   if (size_ == 1) return mine;
   std::vector<std::int64_t> all(mine.size() * static_cast<std::size_t>(size_));
@@ -386,8 +426,13 @@ DdpBackend parse_ddp_backend(const std::string& name, const ProcessGroup& group,
 Device prepare_rank(ProcessGroup& group, Device device, DeviceIndex index,
                     const std::string& ddp_backend) {
   if (group.size() == 1) return device;
-  if (index == DeviceIndex::Default) device = rank_device(group, device);
-  group.use(parse_ddp_backend(ddp_backend, group, device), device);
+  DdpBackend backend = DdpBackend::None;
+  // A rank without its GPU, or with a backend name it cannot read, fails before NCCL's collectives.
+  group.together("choosing its device and backend", [&] {
+    if (index == DeviceIndex::Default) device = rank_device(group, device);
+    backend = parse_ddp_backend(ddp_backend, group, device);
+  });
+  group.use(backend, device);
   return device;
 }
 

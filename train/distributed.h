@@ -21,11 +21,24 @@
 // MPI_Allreduce, so it serves CPU training; "nccl" sums device memory with ncclAllReduce on the
 // current stream (no host synchronisation), so it serves CUDA training, rank r on cuda:(local
 // rank). A build without MPI runs worlds of one only, and a build without NCCL trains on the GPU
-// alone. A failure on one rank ends the run on every rank: the launcher stops the others when one
-// process exits without finishing MPI.
+// alone.
+//
+// Note [Failing together]: an error on one rank only (a corrupt example in its share, a
+// micro-batch that does not fit even when split to one sample, a log or checkpoint that rank 0
+// alone cannot write) would leave the other ranks waiting for it in their next collective, for
+// ever: a launcher ends them only when a process exits, and a program that catches the error and
+// goes on does not exit. So the Trainer runs each stretch of its work between two collectives
+// inside ProcessGroup::together(): afterwards every rank learns, in one all-reduce of a number,
+// whether any rank failed. If one did, the lowest failing rank's message goes to every rank; each
+// failing rank rethrows its own error, and every other rank throws an Error that names the failing
+// rank and carries its message. Every rank leaves at the same point with an exception, and the
+// world stays whole (no MPI_Abort): the command prints the message once, from rank 0, and every
+// rank exits with status 2. An error that together() did not share (one outside the Trainer, say)
+// still ends the run: the command calls MPI_Abort, and the launcher stops the other ranks.
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +98,28 @@ class ProcessGroup {
   /// Copies rank `root`'s bytes of a contiguous tensor into every rank's.
   void broadcast(Tensor& t, int root = 0);
   void barrier();
+  /// Runs `work` on this rank; in a world of more than one, every rank then learns whether it threw
+  /// on any rank, and if it did, throws too (Note [Failing together]). A collective, and a
+  /// barrier: every rank must call it, and `work` must call no collective (a rank that failed
+  /// before one would leave the others waiting in it). `doing` names the work in the message the
+  /// other ranks throw ("training step 3"). In a world of one it only runs `work`.
+  template <class Work>
+  void together(const std::string& doing, Work&& work) {
+    if (size_ == 1) {
+      work();
+      return;
+    }
+    std::exception_ptr failure;
+    try {
+      work();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    settle(failure, doing);
+  }
+  /// Whether an error has been shared by every rank of the world through together(): the command
+  /// then ends each rank on its own, without MPI_Abort.
+  static bool failure_shared();
   /// After an error on this rank: ends every rank of a world of more than one (MPI_Abort), which
   /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
   /// or before the world was made.
@@ -104,6 +139,9 @@ class ProcessGroup {
   /// The NCCL communicator (an ncclComm_t) for a tensor on a CUDA device, made current; refused
   /// without one on that device.
   void* device_comm(const Tensor& t, const char* doing);
+  /// together()'s collective: throws on every rank when `mine` (this rank's error, or null) is set
+  /// on any.
+  void settle(std::exception_ptr mine, const std::string& doing);
   struct Nccl;
   int size_ = 1;
   int rank_ = 0;

@@ -52,26 +52,21 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
 }
 
 // The shapes (rows, padded length) of the micro-batches of a run's windows (the first
-// kWindowsScanned), cut
-// into stretches where train() hands its cache back: each stretch's distinct shapes in the order
-// it first meets them, stretches with the same sequence given once; a resumed run starts a
-// stretch at the window it resumes at. Packed within `token_budget`
-// padded tokens, or `micro` rows to a micro-batch when token_budget is 0. The windows are the
-// Trainer's: the loader's batches of `effective` samples from each of `world` ranks, shuffled
-// with `seed`, of which `rank` takes its share (Note [Mixed lengths] in train/planner.cpp; Note
-// [Data parallel] in train/distributed.h).
-struct RankWindows {
-  std::int64_t global = 0;  // samples a window holds over every rank (global_window)
-  int world = 1;
-  int rank = 0;
-};
+// kWindowsScanned), cut into stretches where train() hands its cache back: each stretch's distinct
+// shapes in the order it first meets them, stretches with the same sequence given once; a resumed
+// run starts a stretch at the window it resumes at. Packed within `token_budget` padded tokens, or
+// `micro` rows to a micro-batch when token_budget is 0. The windows are the Trainer's: the
+// loader's batches of `global` samples (global_window), shuffled with `seed`, of which each of
+// `world` ranks takes its share; every rank's stretches are given, rank after rank (Note [Mixed
+// lengths] and Note [Agreed plans] in train/planner.cpp; Note [Data parallel] in
+// train/distributed.h).
 std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
-                                                 const TrainingArguments& args,
-                                                 RankWindows windows_of, std::int64_t micro,
+                                                 const TrainingArguments& args, std::int64_t global,
+                                                 int world, std::int64_t micro,
                                                  std::int64_t token_budget) {
-  DataLoader loader(
-      data, {.batch_size = windows_of.global, .shuffle = true, .seed = args.seed, .prefetch = 0});
+  DataLoader loader(data,
+                    {.batch_size = global, .shuffle = true, .seed = args.seed, .prefetch = 0});
   const std::int64_t per_epoch = loader.num_batches();
   // The run's windows as train() counts them (max_steps, else the epochs'), the first
   // kWindowsScanned of them.
@@ -94,26 +89,28 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
     shapes.clear();
     seen.clear();
   };
-  for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
-    if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretch();
-    if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
-    const std::vector<std::int64_t> indices =
-        window_share(loader.batch_indices(w % per_epoch), windows_of.rank, windows_of.world);
-    if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
-    std::vector<std::int64_t> window_lengths;
-    for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
-    const std::vector<Chunk> chunks = token_budget > 0
-                                          ? pack_window(indices, window_lengths, token_budget)
-                                          : split_window(indices, micro);
-    for (const Chunk& chunk : chunks) {
-      PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
-      for (std::int64_t i : chunk)
-        shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
-      if (seen.size() == kShapesMeasured || !seen.insert(shape).second) continue;
-      shapes.push_back(shape);
+  for (int rank = 0; rank < world; ++rank) {
+    for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
+      if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretch();
+      if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
+      if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
+      const std::vector<std::int64_t> indices =
+          window_share(loader.batch_indices(w % per_epoch), rank, world);
+      std::vector<std::int64_t> window_lengths;
+      for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
+      const std::vector<Chunk> chunks = token_budget > 0
+                                            ? pack_window(indices, window_lengths, token_budget)
+                                            : split_window(indices, micro);
+      for (const Chunk& chunk : chunks) {
+        PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
+        for (std::int64_t i : chunk)
+          shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
+        if (seen.size() == kShapesMeasured || !seen.insert(shape).second) continue;
+        shapes.push_back(shape);
+      }
     }
+    close_stretch();
   }
-  close_stretch();
   return stretches;
 }
 
@@ -125,12 +122,15 @@ std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, in
 }
 
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
-                         const Dataset& train_set, Device device, int world, int rank) {
+                         const Dataset& train_set, Device device, int world) {
   BatchTriad triad = resolve_batch_triad(args);
   MB_CHECK(train_set.size() > 0, "[plan_training] the training set is empty");
-  // The rank's windows are its shares of windows of `global` samples (all of them, one process).
+  MB_CHECK(world >= 1, "[plan_training] a run needs at least one process, got {}", world);
+  // The ranks' windows are their shares of windows of `global` samples (all of them, one process);
+  // the plan is one for all of them, made from rank 0's shares, the largest, and the others' (Note
+  // [Agreed plans] in train/planner.cpp).
   const std::int64_t global = global_window(triad.effective, train_set.size(), world);
-  const std::int64_t share = std::max<std::int64_t>(share_size(global, rank, world), 1);
+  const std::int64_t share = share_size(global, 0, world);
   if (triad.effective > share) {
     // A window never holds more than the training set (the loader's one batch is all of it): a
     // larger effective batch is planned and trained as the whole set (a rank: as its share of it),
@@ -150,8 +150,20 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   PlannerConfig config;
   config.budget = args.memory_budget;
   config.effective_batch = triad.effective;
-  // The loader keeps a short last window; the rank plans for its share of it.
-  config.epoch_remainder = share_size(train_set.size() % global, rank, world);
+  // The loader keeps a short last window; each rank has its share of it.
+  const std::int64_t remainder = train_set.size() % global;
+  config.epoch_remainder = share_size(remainder, 0, world);
+  for (int rank = 1; rank < world; ++rank) {
+    const RankShare other{share_size(global, rank, world), share_size(remainder, rank, world)};
+    const bool differs =
+        other.window != config.effective_batch || other.epoch_remainder != config.epoch_remainder;
+    // A rank with no share of a window (fewer samples than ranks) runs no micro-batch.
+    if (other.window > 0 && differs &&
+        std::find(config.other_ranks.begin(), config.other_ranks.end(), other) ==
+            config.other_ranks.end()) {
+      config.other_ranks.push_back(other);
+    }
+  }
   if (args.gradient_checkpointing) config.force_checkpointing = true;
   if (triad.micro > 0) config.micro_batch_size = triad.micro;
   if (args.fp16) config.store.compute_dtype = DType::f16;
@@ -210,7 +222,7 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
     // The run's micro-batches have other shapes than the window's (Note [Mixed lengths] in
     // train/planner.cpp): the planner measures those of the run's windows, as train() makes them.
     config.packed_shapes = [&](std::int64_t n) {
-      return run_shapes(train_set, lengths, args, {global, world, rank}, n,
+      return run_shapes(train_set, lengths, args, global, world, n,
                         args.pack_by_tokens ? n * longest_length : 0);
     };
     // Rows of the shape's length, each read afresh as the training loop reads them.
@@ -252,13 +264,58 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
                                  "examples, so a micro-batch holds all of them: {}",
                                  asked, train_set.size(), e.what())
                    : fmt::format("per_device_train_batch_size {} is more than the {} examples of "
-                                 "rank {}'s share of a window (the training set's {} over {} "
+                                 "rank 0's share of a window (the training set's {} over {} "
                                  "processes), so a micro-batch holds all of them: {}",
-                                 asked, triad.effective, rank, train_set.size(), world, e.what()),
+                                 asked, triad.effective, train_set.size(), world, e.what()),
         e.requested());
   }
   p.sequence_length = longest_length;
   return p;
+}
+
+// Note [Agreed plans] (train/planner.cpp): every rank makes the same plan from the same arguments
+// and data. Ranks given different ones (a budget, a training set or a seed of their own) would
+// plan, and cut windows, differently, and train on a sum that is no one window's gradient: refused
+// on every rank, naming what differs.
+void check_ranks_agree(ProcessGroup& group, const MemoryPlan& plan, std::int64_t train_examples,
+                       std::int64_t window, std::uint64_t seed) {
+  if (group.size() == 1) return;
+  const std::vector<std::int64_t> mine{train_examples,
+                                       window,
+                                       static_cast<std::int64_t>(seed),
+                                       plan.micro_batch_size,
+                                       plan.gradient_checkpointing ? 1 : 0,
+                                       plan.predicted_peak};
+  const std::vector<std::int64_t> all = group.all_gather(mine);
+  auto rank_values = [&](int r) {
+    return all.begin() + static_cast<std::ptrdiff_t>(r * mine.size());
+  };
+  auto rank_text = [&](int r) {
+    const auto v = rank_values(r);
+    return fmt::format(
+        "rank {}: {} training examples, windows of {}, seed {}, micro-batches of "
+        "{}{}, predicted peak {} bytes",
+        r, v[0], v[1], v[2], v[3], v[4] != 0 ? " with checkpointing" : "", v[5]);
+  };
+  for (int r = 1; r < group.size(); ++r) {
+    // Rank 0's against each other's, the same comparisons on every rank.
+    MB_CHECK(std::equal(rank_values(0), rank_values(1), rank_values(r)),
+             "[Trainer] the {} processes of this run differ in their training set, arguments or "
+             "plan ({}; {}): give every rank the same",
+             group.size(), rank_text(0), rank_text(r));
+  }
+}
+
+TrainingArguments rank_arguments(const TrainingArguments& args, int world) {
+  TrainingArguments rank = args;
+  if (world > 1 && args.train_batch_size > 0) {
+    MB_CHECK(args.train_batch_size % world == 0,
+             "[Trainer] train_batch_size {} is not divisible by the {} processes of this run: each "
+             "takes an equal share of the effective batch",
+             args.train_batch_size, world);
+    rank.train_batch_size = args.train_batch_size / world;
+  }
+  return rank;
 }
 
 }  // namespace microbatch::train

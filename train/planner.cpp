@@ -192,6 +192,12 @@ MemoryPlanner::MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, Plan
            "[planner] the margin must be in [0, 1), got {}", config_.margin);
   MB_CHECK(config_.effective_batch >= 1, "[planner] the effective batch must be at least 1, got {}",
            config_.effective_batch);
+  for (const RankShare& r : config_.other_ranks) {
+    MB_CHECK(r.window >= 1 && r.window <= config_.effective_batch && r.epoch_remainder >= 0,
+             "[planner] another rank's window of {} (epoch remainder {}) must be in [1, {}] (the "
+             "effective batch)",
+             r.window, r.epoch_remainder, config_.effective_batch);
+  }
   MB_CHECK(!config_.packed_shapes || config_.sample_packed,
            "[planner] packed_shapes needs sample_packed, to make batches of its shapes");
   if (config_.micro_batch_size) {
@@ -219,14 +225,19 @@ MemoryBreakdown MemoryPlanner::predict(std::int64_t n, bool checkpointing) {
 // last micro-batch is measured too, followed by the next epoch's first (PlannerConfig::
 // epoch_remainder): without it the run's peak, at the first epoch's end, was above the prediction
 // (by 3.5% for the Fashion-MNIST MLP, 13% for the tinyshakespeare GPT).
-std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
-  const std::int64_t effective = config_.effective_batch;
-  const std::int64_t last = effective - (ceil_div(effective, n) - 1) * n;
+namespace {
+
+// The micro-batches measured for one rank's windows of `window` samples, split into micro-batches
+// of n, and its epoch's last window of `remainder`.
+std::vector<std::int64_t> rank_window_sizes(std::int64_t window, std::int64_t remainder,
+                                            std::int64_t n) {
+  n = std::min(n, window);  // a rank's share smaller than the plan's micro-batch is one micro-batch
+  const std::int64_t last = window - (ceil_div(window, n) - 1) * n;
   std::vector<std::int64_t> sizes = last == n ? std::vector<std::int64_t>{n, n}
                                               : std::vector<std::int64_t>{n, last, n};
   // An epoch's last window, when shorter, ends on a micro-batch of its own size, which takes
   // blocks of its own too; the next epoch's first follows it.
-  const std::int64_t remainder = config_.epoch_remainder % effective;
+  remainder %= window;
   if (remainder > 0) {
     const std::int64_t tail = remainder % n == 0 ? n : remainder % n;
     if (tail != n && tail != last) {
@@ -235,6 +246,40 @@ std::vector<std::int64_t> MemoryPlanner::window_sizes(std::int64_t n) const {
     }
   }
   return sizes;
+}
+
+}  // namespace
+
+// Note [Agreed plans]: the ranks of a data-parallel run train with one plan, the same micro-batch
+// size and checkpointing on each (ARCHITECTURE: planner decisions are agreed by all ranks). Their
+// windows differ a little: each rank's share of a window, and of an epoch's short last window,
+// is the window's size over the ranks, rounded up on the first ranks and down on the others, and
+// sequences of different lengths fall to the ranks in different shapes. Every rank knows every
+// rank's shares (they all read the same global order), so every rank plans the same problem, all
+// the ranks' windows at once: effective_batch and epoch_remainder are the largest shares (rank
+// 0's), other_ranks holds the other shares that differ, a window of n is predicted as the highest
+// of the ranks' windows, and packed_shapes holds every rank's stretches. The plan fits each rank,
+// and being a function of the same inputs on each, it is the same plan without any message; the
+// Trainer still compares the ranks' plans, which differ only when their arguments or data do.
+std::vector<std::vector<std::int64_t>> MemoryPlanner::window_sizes(std::int64_t n) const {
+  std::vector<std::vector<std::int64_t>> runs{
+      rank_window_sizes(config_.effective_batch, config_.epoch_remainder, n)};
+  // A run that begins another, or another's beginning: the longer one's peak is the higher.
+  auto begins = [](const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
+    return a.size() <= b.size() && std::equal(a.begin(), a.end(), b.begin());
+  };
+  for (const RankShare& r : config_.other_ranks) {
+    std::vector<std::int64_t> sizes = rank_window_sizes(r.window, r.epoch_remainder, n);
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const std::vector<std::int64_t>& run) {
+      return begins(sizes, run) || begins(run, sizes);
+    });
+    if (it == runs.end()) {
+      runs.push_back(std::move(sizes));
+    } else if (it->size() < sizes.size()) {
+      *it = std::move(sizes);
+    }
+  }
+  return runs;
 }
 
 // Note [Mixed lengths]: token sequences of different lengths are planned at the longest, T_max
@@ -278,14 +323,21 @@ MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing
   MemoryBreakdown highest = window(n, checkpointing);
   if (!config_.packed_shapes) return highest;
   for (const std::vector<PackedShape>& stretch : config_.packed_shapes(n)) {
-    const MemoryBreakdown b = measure(stretch, window_sizes(n), checkpointing);
-    if (b.total() > highest.total()) highest = b;
+    for (const std::vector<std::int64_t>& sizes : window_sizes(n)) {
+      const MemoryBreakdown b = measure(stretch, sizes, checkpointing);
+      if (b.total() > highest.total()) highest = b;
+    }
   }
   return highest;
 }
 
 MemoryBreakdown MemoryPlanner::window(std::int64_t n, bool checkpointing) {
-  return measure({}, window_sizes(n), checkpointing);
+  MemoryBreakdown highest;
+  for (const std::vector<std::int64_t>& sizes : window_sizes(n)) {
+    const MemoryBreakdown b = measure({}, sizes, checkpointing);
+    if (highest.total() == 0 || b.total() > highest.total()) highest = b;
+  }
+  return highest;
 }
 
 MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,

@@ -78,6 +78,13 @@ struct PackedShape {
   auto operator<=>(const PackedShape&) const = default;
 };
 
+/// One rank's windows in a data-parallel run: its share of a window, and of an epoch's last window.
+struct RankShare {
+  std::int64_t window = 0;
+  std::int64_t epoch_remainder = 0;
+  auto operator<=>(const RankShare&) const = default;
+};
+
 /// Builds a fresh model for measurement; the argument says whether to checkpoint activations.
 using ModelFactory = std::function<std::unique_ptr<nn::Model>(bool gradient_checkpointing)>;
 /// A batch of n samples shaped like the training data (values irrelevant: it will be moved to
@@ -94,6 +101,10 @@ struct PlannerConfig {
   /// Samples in an epoch's last window when the training set is not a whole number of effective
   /// batches (0: none); its smaller micro-batches are measured too (Note [Uneven windows]).
   std::int64_t epoch_remainder = 0;
+  /// A data-parallel run's other ranks, where their shares differ from this one's (effective_batch
+  /// and epoch_remainder; each window at most effective_batch): the plan is one for every rank, and
+  /// a window is predicted as the highest of the ranks' (Note [Agreed plans]).
+  std::vector<RankShare> other_ranks;
   bool allow_checkpointing = true;
   std::optional<bool> force_checkpointing;  // user's gradient_checkpointing if set
   std::optional<std::int64_t>
@@ -141,7 +152,8 @@ class MemoryPlanner {
   std::int64_t usable_budget() const { return usable_; }
 
  private:
-  /// The window of n alone, without packed_shapes' micro-batches: what plans are judged by.
+  /// The window of n alone, without packed_shapes' micro-batches: what plans are judged by; the
+  /// highest of the ranks' windows.
   MemoryBreakdown window(std::int64_t n, bool checkpointing);
   bool fits(std::int64_t n, bool checkpointing);
   /// A size in [floor, miss) whose window fits while the next one's does not, given that miss's
@@ -153,7 +165,9 @@ class MemoryPlanner {
   /// (memoized).
   MemoryBreakdown measure(const std::vector<PackedShape>& shapes,
                           const std::vector<std::int64_t>& sizes, bool checkpointing);
-  std::vector<std::int64_t> window_sizes(std::int64_t n) const;
+  /// The micro-batch sizes measured for a window of n (Note [Uneven windows]): a sequence for each
+  /// rank's shares that no other sequence begins with (Note [Agreed plans]).
+  std::vector<std::vector<std::int64_t>> window_sizes(std::int64_t n) const;
   MemoryPlan make_plan(std::int64_t n, bool checkpointing);
   [[noreturn]] void throw_too_small(bool checkpointing);
 

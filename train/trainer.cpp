@@ -40,11 +40,16 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
       compute_metrics_(std::move(compute_metrics)),
       log_stream_(&std::cout),
       group_(group != nullptr ? group : &ProcessGroup::world()) {
-  args_.validate();
-  MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
-  MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
-           "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set eval_strategy = no",
-           args_.eval_strategy);
+  // Each step of the set-up that may fail on one rank alone fails on every rank (Note [Failing
+  // together] in train/distributed.h).
+  group_->together("checking its arguments", [&] {
+    args_.validate();
+    MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
+    MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
+             "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set "
+             "eval_strategy = no",
+             args_.eval_strategy);
+  });
   // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
   device_ = prepare_rank(*group_, args_.training_device(),
                          args_.device.find(':') == std::string::npos ? DeviceIndex::Default
@@ -55,14 +60,17 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   if (args_.fp16) compute_dtype_ = DType::f16;
   if (args_.bf16) compute_dtype_ = DType::bf16;
   manual_seed(args_.seed);
-  model_ = model_init_();
-  MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
-  model_->to(device_);
-  plan_ = make_plan();
-  // The same on every rank, whatever each planned: the ranks' loaders must cut the same windows.
+  group_->together("building its model and plan", [&] {  // Note [Failing together]
+    model_ = model_init_();
+    MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
+    model_->to(device_);
+    plan_ = make_plan();
+  });
+  // The ranks' loaders must cut the same windows.
   global_batch_ =
       global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
                     train_set_.size(), group_->size());
+  check_ranks_agree(*group_, plan_, train_set_.size(), global_batch_, args_.seed);
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -82,19 +90,7 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
 
 MemoryPlan Trainer::make_plan() {
   return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_,
-                       group_->size(), group_->rank());
-}
-
-TrainingArguments rank_arguments(const TrainingArguments& args, int world) {
-  TrainingArguments rank = args;
-  if (world > 1 && args.train_batch_size > 0) {
-    MB_CHECK(args.train_batch_size % world == 0,
-             "[Trainer] train_batch_size {} is not divisible by the {} processes of this run: each "
-             "takes an equal share of the effective batch",
-             args.train_batch_size, world);
-    rank.train_batch_size = args.train_batch_size / world;
-  }
-  return rank;
+                       group_->size());
 }
 
 // ---- training ----------------------------------------------------------------------------------
@@ -191,13 +187,6 @@ std::optional<double> loss_from_json(const nlohmann::json& v) {
 TrainOutput Trainer::train() {
   namespace fs = std::filesystem;
   const bool main = group_->is_main();
-  {
-    std::error_code ec;
-    fs::create_directories(args_.output_dir, ec);
-    const bool folder = !ec && fs::is_directory(args_.output_dir, ec);
-    MB_CHECK(folder, "[Trainer] cannot create output_dir '{}': {}", args_.output_dir,
-             ec ? ec.message() : std::string("it exists and is not a folder"));
-  }
   // Note [A used output_dir]: a fresh run into a folder that holds another run's checkpoints would
   // share their rotation (save_total_limit could delete its own newest and keep a stale one) and
   // `latest` would resume the stale one. Refused unless overwrite_output_dir (Hugging Face's name)
@@ -206,28 +195,37 @@ TrainOutput Trainer::train() {
   // not there twice.
   const fs::path log_path = fs::path(args_.output_dir) / "log.jsonl";
   const bool resuming = !args_.resume_from_checkpoint.empty();
-  if (!resuming) {
-    const std::vector<std::string> old = list_checkpoints(args_.output_dir);
-    MB_CHECK(old.empty() || args_.overwrite_output_dir,
-             "[Trainer] output_dir {} holds checkpoints of another run ({}): resume it with "
-             "resume_from_checkpoint = latest, or set overwrite_output_dir to delete them and "
-             "start afresh", args_.output_dir, old.back());
-    if (main) {
-      for (const std::string& path : old) fs::remove_all(path);
-    }
-  }
   // In a data-parallel run rank 0 alone writes the log, the checkpoints and the weights, and
   // prints; the other ranks' log stays closed (what is written to it is dropped) and they print
   // nothing.
   std::ofstream log_file;
-  if (main) {
-    log_file.open(log_path, resuming ? std::ios::app : std::ios::trunc);
-    MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
-  }
+  // Every rank goes on once the old checkpoints are gone, or every rank stops (Note [Failing
+  // together] in train/distributed.h).
+  group_->together("opening output_dir", [&] {
+    std::error_code ec;
+    fs::create_directories(args_.output_dir, ec);
+    const bool folder = !ec && fs::is_directory(args_.output_dir, ec);
+    MB_CHECK(folder, "[Trainer] cannot create output_dir '{}': {}", args_.output_dir,
+             ec ? ec.message() : std::string("it exists and is not a folder"));
+    if (!resuming) {
+      const std::vector<std::string> old = list_checkpoints(args_.output_dir);
+      MB_CHECK(old.empty() || args_.overwrite_output_dir,
+               "[Trainer] output_dir {} holds checkpoints of another run ({}): resume it with "
+               "resume_from_checkpoint = latest, or set overwrite_output_dir to delete them and "
+               "start afresh",
+               args_.output_dir, old.back());
+      if (main) {
+        for (const std::string& path : old) fs::remove_all(path);
+      }
+    }
+    if (main) {
+      log_file.open(log_path, resuming ? std::ios::app : std::ios::trunc);
+      MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
+    }
+  });
   std::ostream no_output(nullptr);
   std::ostream& out = main ? *log_stream_ : no_output;
   const bool tty = main && log_stream_ == &std::cout && isatty(STDOUT_FILENO) && !args_.json;
-  group_->barrier();  // the old checkpoints are gone before any rank reads the folder again
 
   model_->train();
   // Note [Arenas in blocks of their own]: building the model leaves its initialisers' temporaries
@@ -271,181 +269,203 @@ TrainOutput Trainer::train() {
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
   std::int64_t logged_at = 0;               // the step of the last log line
-  const std::string fingerprint = label_fingerprint(train_set_);  // Note [Resuming the same run]
+  std::string fingerprint;                  // Note [Resuming the same run]
+  bool token_labels = false;                // the training set's labels are token sequences
   const nlohmann::json architecture = model_->architecture();
-  if (!args_.resume_from_checkpoint.empty()) {
-    std::optional<ResumePoint> point;
-    if (args_.resume_from_checkpoint == "latest") {
-      point = load_latest_checkpoint(args_.output_dir);
-      MB_CHECK(point.has_value(), "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
-               args_.output_dir);
-    } else {
-      point = ResumePoint{args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
-    }
-    const nlohmann::json& st = point->data.trainer_state;
-    // The state passed its CRC, but a CRC says nothing of what wrote it: every field is checked
-    // for its type and range, and a malformed one names itself rather than aborting the run.
-    const std::string state_file = (fs::path(point->path) / "trainer_state.json").string();
-    auto count = [&](const char* name) -> std::int64_t {
-      MB_CHECK(st.contains(name), "[Trainer] {} has no '{}'", state_file, name);
-      const nlohmann::json& v = st.at(name);
-      const bool ok = v.is_number_unsigned()
-                          ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT64_MAX)
-                          : v.is_number_integer() && v.get<std::int64_t>() >= 0;
-      MB_CHECK(ok, "[Trainer] {}: '{}' must be a whole number >= 0, got {}", state_file, name,
-               v.is_number() ? v.dump() : fmt::format("a JSON {}", v.type_name()));
-      return v.get<std::int64_t>();
-    };
-    auto word = [&](const char* name) -> std::uint64_t {
-      MB_CHECK(st.contains(name) && st.at(name).is_number_unsigned(),
-               "[Trainer] {}: '{}' must be an unsigned whole number", state_file, name);
-      return st.at(name).get<std::uint64_t>();
-    };
-    MB_CHECK(st.is_object(), "[Trainer] {} is not a JSON object", state_file);
-    const std::int64_t saved_step = count("global_step"), saved_epoch = count("epoch"),
-                       saved_window = count("window"), saved_samples = count("samples"),
-                       saved_tokens = count("tokens"), saved_scheduler = count("scheduler_steps"),
-                       saved_skipped = st.contains("skipped_steps") ? count("skipped_steps") : 0;
-    const std::uint64_t rng_seed = word("rng_seed"), rng_offset = word("rng_offset");
-    // Loss sums are numbers, or the spellings of NaN and inf (Note [Non-finite losses]).
-    auto loss = [&](const char* name) -> double {
-      const std::optional<double> v =
-          st.contains(name) ? loss_from_json(st.at(name)) : std::nullopt;
-      MB_CHECK(v.has_value(),
-               "[Trainer] {}: '{}' must be a number, or \"NaN\", \"Infinity\" or \"-Infinity\"",
-               state_file, name);
-      return *v;
-    };
-    const double saved_loss = loss("loss_sum");
-    // Where the checkpoint's logging window began; a checkpoint without it starts a new one.
-    const std::int64_t saved_logged_at =
-        st.contains("logged_step") ? count("logged_step") : saved_step;
-    const double saved_logged_sum =
-        st.contains("logged_step") ? loss("logged_loss_sum") : saved_loss;
-    MB_CHECK(saved_scheduler <= saved_step && saved_skipped <= saved_step,
-             "[Trainer] {}: {} schedule steps and {} skipped steps in {} optimizer steps", state_file,
-             saved_scheduler, saved_skipped, saved_step);
-    MB_CHECK(saved_logged_at <= saved_step,
-             "[Trainer] {}: 'logged_step' {} is past 'global_step' {}", state_file, saved_logged_at,
-             saved_step);
-    // Note [Resuming the same run]: the checkpoint's window counts batches of its own effective
-    // batch, drawn in its own seed's order from its own training set; with any of them changed, the
-    // resumed run would repeat or skip examples without a word. Refuse, naming what differs.
-    auto saved_value = [&](const char* object, const char* name) -> std::optional<std::int64_t> {
-      const nlohmann::json* holder = &st;
-      if (object != nullptr) {
-        if (!st.contains(object)) return std::nullopt;
-        MB_CHECK(st.at(object).is_object(), "[Trainer] {}: '{}' must be a JSON object", state_file, object);
-        holder = &st.at(object);
+  // Every rank reads its training labels and resumes, or every rank stops (Note [Failing
+  // together] in train/distributed.h).
+  group_->together("resuming from its checkpoint", [&] {
+    fingerprint = label_fingerprint(train_set_);
+    token_labels = train_set_.get(0).label.dim() > 0;
+    if (resuming) {
+      std::optional<ResumePoint> point;
+      if (args_.resume_from_checkpoint == "latest") {
+        point = load_latest_checkpoint(args_.output_dir);
+        MB_CHECK(point.has_value(),
+                 "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
+                 args_.output_dir);
+      } else {
+        point = ResumePoint{
+            args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
       }
-      if (!holder->contains(name)) return std::nullopt;
-      const nlohmann::json& v = holder->at(name);
-      MB_CHECK(v.is_number_integer(), "[Trainer] {}: '{}' must be a whole number", state_file, name);
-      return v.get<std::int64_t>();
-    };
-    auto same = [&](const char* what, std::optional<std::int64_t> saved, std::int64_t now, const char* hint) {
-      MB_CHECK(!saved || *saved == now,
-               "[Trainer] cannot resume from {}: it was trained with {} {}, this run has {}; the data "
-               "order would differ ({})", point->path, what, *saved, now, hint);
-    };
-    same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed), "pass the same seed");
-    // A window is the effective batch over every rank; the processes may differ in number.
-    std::optional<std::int64_t> saved_batch = saved_value(nullptr, "effective_batch");
-    if (!saved_batch) {  // an older checkpoint: its plan's batch, one process's
-      saved_batch = saved_value("plan", "effective_batch");
-      if (saved_batch) *saved_batch *= saved_value(nullptr, "world_size").value_or(1);
-    }
-    same("an effective batch of", saved_batch, global_batch_,
-         "keep per_device_train_batch_size x gradient_accumulation_steps x processes, which is "
-         "at most the training set");
-    same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
-         "train on the same data");
-    if (st.contains("train_fingerprint")) {
-      MB_CHECK(st.at("train_fingerprint") == fingerprint,
-               "[Trainer] cannot resume from {}: it was trained on other data of the same size "
-               "(its examples' fingerprint differs); the data order would differ (train on the "
-               "same data)", point->path);
-    }
-    // The weights' shapes are checked as they load; what they do not show (GPT's n_head) is in
-    // the model's architecture, compared where the checkpoint and the model both record one.
-    MB_CHECK(!st.contains("model") || st.at("model").is_object(),
-             "[Trainer] {}: 'model' must be a JSON object, got {}", state_file,
-             shown_json(st.at("model")));
-    if (st.contains("model") && !architecture.is_null()) {
-      const std::optional<std::string> differs = first_difference(st.at("model"), architecture);
-      MB_CHECK(!differs.has_value(),
-               "[Trainer] cannot resume from {}: it was trained with another model: {}; its "
-               "weights would compute another function (build the model as the checkpoint's)",
-               point->path, *differs);
-    }
-    MB_CHECK(saved_window <= windows_per_epoch,
-             "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this run's epochs "
-             "have {} windows", point->path, saved_window, windows_per_epoch);
-    try {
-      store.load_master_state(point->data.model);
-      adamw.load_state_dict(point->data.optimizer);
-      if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
-    } catch (const Error& e) {
-      MB_CHECK(false, "[Trainer] {} does not fit this run: {}", point->path, e.what());
-    } catch (const nlohmann::json::exception& e) {
-      MB_CHECK(false, "[Trainer] {}: the loss scaler's state is malformed: {}", state_file, e.what());
-    }
-    // Every window a checkpoint counts either updated the weights once or was skipped and changed
-    // nothing (Note [Stopping at the loss-scale floor] keeps it so at the floor too), so the
-    // optimizer has taken global_step - skipped_steps steps. Any other count is another run's
-    // state, and AdamW's bias correction would be off by the difference.
-    const std::int64_t updates = saved_step - saved_skipped;
-    MB_CHECK(
-        adamw.step_count() == updates,
-        "[Trainer] cannot resume from {}: the optimizer state in {} has taken {} steps, but {} "
-        "counts {} ({} global steps less {} skipped)",
-        point->path, (fs::path(point->path) / kCheckpointOptimizerFile).string(),
-        adamw.step_count(), state_file, updates, saved_step, saved_skipped);
-    skipped = saved_skipped;
-    step = saved_step;
-    epoch = saved_epoch;
-    window = saved_window;
-    samples = saved_samples;
-    tokens = saved_tokens;
-    loss_sum = saved_loss;
-    logged_sum = saved_logged_sum;
-    logged_at = saved_logged_at;
-    scheduler.set_steps(saved_scheduler);
-    GeneratorState rng{rng_seed, rng_offset};
-    // A data-parallel checkpoint holds every rank's stream (their dropout masks differ in how much
-    // they drew); a run with as many ranks takes its own, any other run rank 0's.
-    if (st.contains("rng_ranks")) {
-      const nlohmann::json& all = st.at("rng_ranks");
-      const bool ok =
-          all.is_array() && std::all_of(all.begin(), all.end(), [](const nlohmann::json& e) {
-            return e.is_array() && e.size() == 2 && e[0].is_number_unsigned() &&
-                   e[1].is_number_unsigned();
-          });
-      MB_CHECK(ok, "[Trainer] {}: 'rng_ranks' must be a list of [seed, offset] pairs", state_file);
-      if (all.size() == static_cast<std::size_t>(group_->size())) {
-        const nlohmann::json& mine = all.at(static_cast<std::size_t>(group_->rank()));
-        rng = {mine[0].get<std::uint64_t>(), mine[1].get<std::uint64_t>()};
+      const nlohmann::json& st = point->data.trainer_state;
+      // The state passed its CRC, but a CRC says nothing of what wrote it: every field is checked
+      // for its type and range, and a malformed one names itself rather than aborting the run.
+      const std::string state_file = (fs::path(point->path) / "trainer_state.json").string();
+      auto count = [&](const char* name) -> std::int64_t {
+        MB_CHECK(st.contains(name), "[Trainer] {} has no '{}'", state_file, name);
+        const nlohmann::json& v = st.at(name);
+        const bool ok = v.is_number_unsigned()
+                            ? v.get<std::uint64_t>() <= static_cast<std::uint64_t>(INT64_MAX)
+                            : v.is_number_integer() && v.get<std::int64_t>() >= 0;
+        MB_CHECK(ok, "[Trainer] {}: '{}' must be a whole number >= 0, got {}", state_file, name,
+                 v.is_number() ? v.dump() : fmt::format("a JSON {}", v.type_name()));
+        return v.get<std::int64_t>();
+      };
+      auto word = [&](const char* name) -> std::uint64_t {
+        MB_CHECK(st.contains(name) && st.at(name).is_number_unsigned(),
+                 "[Trainer] {}: '{}' must be an unsigned whole number", state_file, name);
+        return st.at(name).get<std::uint64_t>();
+      };
+      MB_CHECK(st.is_object(), "[Trainer] {} is not a JSON object", state_file);
+      const std::int64_t saved_step = count("global_step"), saved_epoch = count("epoch"),
+                         saved_window = count("window"), saved_samples = count("samples"),
+                         saved_tokens = count("tokens"), saved_scheduler = count("scheduler_steps"),
+                         saved_skipped = st.contains("skipped_steps") ? count("skipped_steps") : 0;
+      const std::uint64_t rng_seed = word("rng_seed"), rng_offset = word("rng_offset");
+      // Loss sums are numbers, or the spellings of NaN and inf (Note [Non-finite losses]).
+      auto loss = [&](const char* name) -> double {
+        const std::optional<double> v =
+            st.contains(name) ? loss_from_json(st.at(name)) : std::nullopt;
+        MB_CHECK(v.has_value(),
+                 "[Trainer] {}: '{}' must be a number, or \"NaN\", \"Infinity\" or \"-Infinity\"",
+                 state_file, name);
+        return *v;
+      };
+      const double saved_loss = loss("loss_sum");
+      // Where the checkpoint's logging window began; a checkpoint without it starts a new one.
+      const std::int64_t saved_logged_at =
+          st.contains("logged_step") ? count("logged_step") : saved_step;
+      const double saved_logged_sum =
+          st.contains("logged_step") ? loss("logged_loss_sum") : saved_loss;
+      MB_CHECK(saved_scheduler <= saved_step && saved_skipped <= saved_step,
+               "[Trainer] {}: {} schedule steps and {} skipped steps in {} optimizer steps",
+               state_file, saved_scheduler, saved_skipped, saved_step);
+      MB_CHECK(saved_logged_at <= saved_step,
+               "[Trainer] {}: 'logged_step' {} is past 'global_step' {}", state_file,
+               saved_logged_at, saved_step);
+      // Note [Resuming the same run]: the checkpoint's window counts batches of its own effective
+      // batch, drawn in its own seed's order from its own training set; with any of them changed,
+      // the resumed run would repeat or skip examples without a word. Refuse, naming what differs.
+      auto saved_value = [&](const char* object, const char* name) -> std::optional<std::int64_t> {
+        const nlohmann::json* holder = &st;
+        if (object != nullptr) {
+          if (!st.contains(object)) return std::nullopt;
+          MB_CHECK(st.at(object).is_object(), "[Trainer] {}: '{}' must be a JSON object",
+                   state_file, object);
+          holder = &st.at(object);
+        }
+        if (!holder->contains(name)) return std::nullopt;
+        const nlohmann::json& v = holder->at(name);
+        MB_CHECK(v.is_number_integer(), "[Trainer] {}: '{}' must be a whole number", state_file,
+                 name);
+        return v.get<std::int64_t>();
+      };
+      auto same = [&](const char* what, std::optional<std::int64_t> saved, std::int64_t now,
+                      const char* hint) {
+        MB_CHECK(
+            !saved || *saved == now,
+            "[Trainer] cannot resume from {}: it was trained with {} {}, this run has {}; the data "
+            "order would differ ({})",
+            point->path, what, *saved, now, hint);
+      };
+      same("seed", saved_value("args", "seed"), static_cast<std::int64_t>(args_.seed),
+           "pass the same seed");
+      // A window is the effective batch over every rank; the processes may differ in number.
+      std::optional<std::int64_t> saved_batch = saved_value(nullptr, "effective_batch");
+      if (!saved_batch) {  // an older checkpoint: its plan's batch, one process's
+        saved_batch = saved_value("plan", "effective_batch");
+        if (saved_batch) *saved_batch *= saved_value(nullptr, "world_size").value_or(1);
+      }
+      same("an effective batch of", saved_batch, global_batch_,
+           "keep per_device_train_batch_size x gradient_accumulation_steps x processes, which is "
+           "at most the training set");
+      same("a training set of", saved_value(nullptr, "train_examples"), train_set_.size(),
+           "train on the same data");
+      if (st.contains("train_fingerprint")) {
+        MB_CHECK(st.at("train_fingerprint") == fingerprint,
+                 "[Trainer] cannot resume from {}: it was trained on other data of the same size "
+                 "(its examples' fingerprint differs); the data order would differ (train on the "
+                 "same data)",
+                 point->path);
+      }
+      // The weights' shapes are checked as they load; what they do not show (GPT's n_head) is in
+      // the model's architecture, compared where the checkpoint and the model both record one.
+      MB_CHECK(!st.contains("model") || st.at("model").is_object(),
+               "[Trainer] {}: 'model' must be a JSON object, got {}", state_file,
+               shown_json(st.at("model")));
+      if (st.contains("model") && !architecture.is_null()) {
+        const std::optional<std::string> differs = first_difference(st.at("model"), architecture);
+        MB_CHECK(!differs.has_value(),
+                 "[Trainer] cannot resume from {}: it was trained with another model: {}; its "
+                 "weights would compute another function (build the model as the checkpoint's)",
+                 point->path, *differs);
+      }
+      MB_CHECK(saved_window <= windows_per_epoch,
+               "[Trainer] cannot resume from {}: it stopped at window {} of an epoch, and this "
+               "run's epochs "
+               "have {} windows",
+               point->path, saved_window, windows_per_epoch);
+      try {
+        store.load_master_state(point->data.model);
+        adamw.load_state_dict(point->data.optimizer);
+        if (scaler && st.contains("scaler")) scaler->load_state_dict(st.at("scaler"));
+      } catch (const Error& e) {
+        MB_CHECK(false, "[Trainer] {} does not fit this run: {}", point->path, e.what());
+      } catch (const nlohmann::json::exception& e) {
+        MB_CHECK(false, "[Trainer] {}: the loss scaler's state is malformed: {}", state_file,
+                 e.what());
+      }
+      // Every window a checkpoint counts either updated the weights once or was skipped and changed
+      // nothing (Note [Stopping at the loss-scale floor] keeps it so at the floor too), so the
+      // optimizer has taken global_step - skipped_steps steps. Any other count is another run's
+      // state, and AdamW's bias correction would be off by the difference.
+      const std::int64_t updates = saved_step - saved_skipped;
+      MB_CHECK(
+          adamw.step_count() == updates,
+          "[Trainer] cannot resume from {}: the optimizer state in {} has taken {} steps, but {} "
+          "counts {} ({} global steps less {} skipped)",
+          point->path, (fs::path(point->path) / kCheckpointOptimizerFile).string(),
+          adamw.step_count(), state_file, updates, saved_step, saved_skipped);
+      skipped = saved_skipped;
+      step = saved_step;
+      epoch = saved_epoch;
+      window = saved_window;
+      samples = saved_samples;
+      tokens = saved_tokens;
+      loss_sum = saved_loss;
+      logged_sum = saved_logged_sum;
+      logged_at = saved_logged_at;
+      scheduler.set_steps(saved_scheduler);
+      GeneratorState rng{rng_seed, rng_offset};
+      // A data-parallel checkpoint holds every rank's stream (their dropout masks differ in how
+      // much they drew); a run with as many ranks takes its own, any other run rank 0's.
+      if (st.contains("rng_ranks")) {
+        const nlohmann::json& all = st.at("rng_ranks");
+        const bool ok =
+            all.is_array() && std::all_of(all.begin(), all.end(), [](const nlohmann::json& e) {
+              return e.is_array() && e.size() == 2 && e[0].is_number_unsigned() &&
+                     e[1].is_number_unsigned();
+            });
+        MB_CHECK(ok, "[Trainer] {}: 'rng_ranks' must be a list of [seed, offset] pairs",
+                 state_file);
+        if (all.size() == static_cast<std::size_t>(group_->size())) {
+          const nlohmann::json& mine = all.at(static_cast<std::size_t>(group_->rank()));
+          rng = {mine[0].get<std::uint64_t>(), mine[1].get<std::uint64_t>()};
+        }
+      }
+      default_generator().set_state(rng);
+      if (main && st.contains("log_bytes") && fs::exists(log_path)) {
+        const std::int64_t kept = count("log_bytes");
+        log_file.close();
+        std::error_code ec;
+        const auto size = fs::file_size(log_path, ec);
+        if (!ec && size > static_cast<std::uintmax_t>(kept))
+          fs::resize_file(log_path, static_cast<std::uintmax_t>(kept), ec);
+        MB_CHECK(!ec, "[Trainer] cannot cut {} back to its checkpoint: {}", log_path.string(),
+                 ec.message());
+        log_file.open(log_path, std::ios::app);
+        MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
+      }
+      const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
+      log_file << event.dump() << "\n";
+      if (args_.json) {
+        out << event.dump() << "\n";
+      } else {
+        out << "resumed from " << point->path << " at step " << step << "\n";
       }
     }
-    default_generator().set_state(rng);
-    if (main && st.contains("log_bytes") && fs::exists(log_path)) {
-      const std::int64_t kept = count("log_bytes");
-      log_file.close();
-      std::error_code ec;
-      const auto size = fs::file_size(log_path, ec);
-      if (!ec && size > static_cast<std::uintmax_t>(kept)) fs::resize_file(log_path, static_cast<std::uintmax_t>(kept), ec);
-      MB_CHECK(!ec, "[Trainer] cannot cut {} back to its checkpoint: {}", log_path.string(), ec.message());
-      log_file.open(log_path, std::ios::app);
-      MB_CHECK(log_file.good(), "[Trainer] cannot write {}/log.jsonl", args_.output_dir);
-    }
-    const nlohmann::json event{{"event", "resume"}, {"step", step}, {"path", point->path}};
-    log_file << event.dump() << "\n";
-    if (args_.json) {
-      out << event.dump() << "\n";
-    } else {
-      out << "resumed from " << point->path << " at step " << step << "\n";
-    }
-  }
+  });
   if (group_->size() > 1) {
     // Every rank starts from rank 0's weights (the same seed made the same ones; this makes sure).
     Tensor master = store.master();
@@ -489,41 +509,51 @@ TrainOutput Trainer::train() {
         rank_rngs.push_back(
             {static_cast<std::uint64_t>(all[r]), static_cast<std::uint64_t>(all[r + 1])});
     }
-    if (main) {
-      CheckpointData data;
-      for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
-      for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
-      data.trainer_state = {{"global_step", step},
-                            {"epoch", epoch},
-                            {"window", window},
-                            {"samples", samples},
-                            {"tokens", tokens},
-                            {"loss_sum", loss_to_json(loss_total.value())},
-                            {"logged_step", logged_step},
-                            {"logged_loss_sum", loss_to_json(logged_total)},
-                            {"scheduler_steps", scheduler.steps()},
-                            {"rng_seed", rng->seed},
-                            {"rng_offset", rng->offset},
-                            {"plan", plan_.to_json()},
-                            {"args", args_.to_json()},
-                            {"skipped_steps", skipped},
-                            {"train_examples", train_set_.size()},
-                            {"world_size", group_->size()},
-                            {"effective_batch", global_batch_},
-                            {"train_fingerprint", fingerprint}};
-      if (!architecture.is_null()) data.trainer_state["model"] = architecture;
-      if (!rank_rngs.empty()) data.trainer_state["rng_ranks"] = rank_rngs;
-      if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
-      // The log up to and including this save's own line (Note [A used output_dir]); the path is
-      // save_checkpoint's, output_dir/checkpoint-<step>.
-      line = nlohmann::json{{"event", "save"},
-                            {"step", step},
-                            {"path", (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string()}}
-                 .dump() + "\n";
-      log_file.flush();
-      data.trainer_state["log_bytes"] = static_cast<std::int64_t>(log_file.tellp()) + static_cast<std::int64_t>(line.size());
-      path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
-    }
+    // Every rank returns once the checkpoint is whole, or every rank stops (Note [Failing
+    // together]): a rank that stops after a save (at the loss-scale floor) would otherwise end the
+    // run while rank 0 still writes it.
+    group_->together(fmt::format("saving checkpoint-{}", step), [&] {
+      if (main) {
+        CheckpointData data;
+        for (auto& [name, t] : store.master_state()) data.model[name] = t;  // f32 master weights
+        for (auto& [name, t] : adamw.state_dict()) data.optimizer[name] = t;
+        data.trainer_state = {{"global_step", step},
+                              {"epoch", epoch},
+                              {"window", window},
+                              {"samples", samples},
+                              {"tokens", tokens},
+                              {"loss_sum", loss_to_json(loss_total.value())},
+                              {"logged_step", logged_step},
+                              {"logged_loss_sum", loss_to_json(logged_total)},
+                              {"scheduler_steps", scheduler.steps()},
+                              {"rng_seed", rng->seed},
+                              {"rng_offset", rng->offset},
+                              {"plan", plan_.to_json()},
+                              {"args", args_.to_json()},
+                              {"skipped_steps", skipped},
+                              {"train_examples", train_set_.size()},
+                              {"world_size", group_->size()},
+                              {"effective_batch", global_batch_},
+                              {"train_fingerprint", fingerprint}};
+        if (!architecture.is_null()) data.trainer_state["model"] = architecture;
+        if (!rank_rngs.empty()) data.trainer_state["rng_ranks"] = rank_rngs;
+        if (scaler) data.trainer_state["scaler"] = scaler->state_dict();
+        // The log up to and including this save's own line (Note [A used output_dir]); the path is
+        // save_checkpoint's, output_dir/checkpoint-<step>.
+        line =
+            nlohmann::json{
+                {"event", "save"},
+                {"step", step},
+                {"path",
+                 (fs::path(args_.output_dir) / fmt::format("checkpoint-{}", step)).string()}}
+                .dump() +
+            "\n";
+        log_file.flush();
+        data.trainer_state["log_bytes"] =
+            static_cast<std::int64_t>(log_file.tellp()) + static_cast<std::int64_t>(line.size());
+        path = save_checkpoint(args_.output_dir, step, data, args_.save_total_limit);
+      }
+    });
     empty_cache(device_);
     if (main) {
       MB_ASSERT(line.find(nlohmann::json(path).dump()) != std::string::npos,
@@ -531,9 +561,6 @@ TrainOutput Trainer::train() {
       log_file << line;
       log_file.flush();
     }
-    // Every rank returns once the checkpoint is whole: a rank that stops after a save (at the
-    // loss-scale floor) would otherwise end the run while rank 0 still writes it.
-    group_->barrier();
     return path;
   };
   // Note [Stopping at the loss-scale floor]: after max_overflows_at_floor overflows at the floor
@@ -606,7 +633,6 @@ TrainOutput Trainer::train() {
   log_file << nlohmann::json{{"event", "plan"}, {"device", device_.str()}, {"plan", plan_.to_json()}}.dump()
            << "\n";
   Metrics last_eval;
-  const bool token_labels = train_set_.get(0).label.dim() > 0;
   std::int64_t token_budget = 0;  // Note [Token-budget micro-batches]
   if (token_labels && args_.memory_budget > 0 && args_.pack_by_tokens) {
     token_budget = plan_.micro_batch_size * plan_.sequence_length;
@@ -624,95 +650,106 @@ TrainOutput Trainer::train() {
       continue;
     }
     window_rng = default_generator().state();
-    // The window's samples, and this rank's share of them (Note [Data parallel]).
-    const std::vector<std::int64_t> window_indices = loader.batch_indices(window);
-    const std::vector<std::int64_t> indices =
-        group_->size() > 1 ? window_share(window_indices, group_->rank(), group_->size())
-                           : window_indices;
-    // A short last window with fewer samples than ranks leaves a rank no micro-batch: it only
-    // sums with the others.
-    std::vector<Chunk> chunks;
-    if (token_budget > 0) {
-      std::vector<std::int64_t> lengths;
-      for (std::int64_t i : indices) lengths.push_back(train_set_.get(i).input.numel());
-      chunks = pack_window(indices, lengths, token_budget);
-    } else {
-      chunks = split_window(indices, plan_.micro_batch_size);
-    }
-    // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not the
-    // model's ignore_index; a sample so labelled does not count, so the weights still sum to 1.
-    // Counted from the labels alone: collating the window here would take its inputs' memory
-    // outside the out-of-memory recovery below.
-    // Over the whole window, every rank's share: each rank weighs its micro-batches by their share
-    // of it, so that the ranks' gradients sum to the window's.
-    const std::int64_t window_items = loader.items_for(window_indices);
-
-    std::deque<Chunk> queue(chunks.begin(), chunks.end());
     LossSum window_loss(device_);
-    std::int64_t micro_batches = 0;
-    while (!queue.empty()) {
-      Chunk chunk = queue.front();
-      queue.pop_front();
-      const std::int64_t version = store.grads().version();
-      try {
-        const Batch b = loader.batch_for(chunk).to(device_);  // collated on the host, one copy
-        const double w = window_items > 0 ? static_cast<double>(b.num_items) / static_cast<double>(window_items) : 0.0;
-        nn::ModelOutput o = model_->forward(model_inputs(b.inputs), b.labels);
-        // Training reads no logits: dropped, the loss's backward writes their gradient over them
-        // (Note [Reusing an input's memory], core/autograd.h).
-        o.logits = Tensor();
-        {
-          GradWeightGuard weight(w);
-          // With fp16 the seed is the loss scale (on CUDA the device's own): the loss is f32, and its
-          // scaled gradient flows into the 16-bit graph.
-          o.loss.backward(boundary.backward_seed(o.loss));
-        }
-        // A micro-batch with no loss-bearing label has a NaN mean loss (as torch's) and weight 0:
-        // it adds nothing to the window's loss, rather than 0 * NaN.
-        if (b.num_items > 0) window_loss.add(o.loss, w);
-        ++micro_batches;
-      } catch (const OutOfMemoryError& e) {
-        MB_CHECK(chunk.size() > 1, "[Trainer] one sample does not fit in the memory budget of {}: {}",
-                 format_bytes(args_.memory_budget), e.what());
-        const std::size_t half = chunk.size() / 2;
-        Chunk first(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(half));
-        Chunk second(chunk.begin() + static_cast<std::ptrdiff_t>(half), chunk.end());
-        ++oom_splits;
-        const bool restart = store.grads().version() != version;
-        nlohmann::json event{{"event", "oom_split"}, {"step", step + 1}, {"micro_batch", chunk.size()},
-                             {"into", {first.size(), second.size()}}, {"window_restarted", restart}};
-        log_file << event.dump() << "\n";
-        log_file.flush();
-        if (restart) {
-          // Part of this micro-batch's gradient had landed: redo the window from zero, exactly.
-          store.zero_grad();
-          std::deque<Chunk> redo;
-          for (const Chunk& c : chunks) {
-            if (c == chunk) {
-              redo.push_back(first);
-              redo.push_back(second);
-            } else {
-              redo.push_back(c);
-            }
+    std::int64_t micro_batches = 0, window_samples = 0, window_items = 0;
+    // A rank that fails here (reading its examples, or in a micro-batch) stops every rank before
+    // the sum (Note [Failing together]).
+    group_->together(fmt::format("training step {}", step + 1), [&] {
+      // The window's samples, and this rank's share of them (Note [Data parallel]).
+      const std::vector<std::int64_t> window_indices = loader.batch_indices(window);
+      window_samples = static_cast<std::int64_t>(window_indices.size());
+      const std::vector<std::int64_t> indices =
+          group_->size() > 1 ? window_share(window_indices, group_->rank(), group_->size())
+                             : window_indices;
+      // A short last window with fewer samples than ranks leaves a rank no micro-batch: it only
+      // sums with the others.
+      std::vector<Chunk> chunks;
+      if (token_budget > 0) {
+        std::vector<std::int64_t> lengths;
+        for (std::int64_t i : indices) lengths.push_back(train_set_.get(i).input.numel());
+        chunks = pack_window(indices, lengths, token_budget);
+      } else {
+        chunks = split_window(indices, plan_.micro_batch_size);
+      }
+      // The loss-bearing labels (Note [Batch items]): tokens, or samples whose class is not the
+      // model's ignore_index; a sample so labelled does not count, so the weights still sum to 1.
+      // Counted from the labels alone: collating the window here would take its inputs' memory
+      // outside the out-of-memory recovery below.
+      // Over the whole window, every rank's share: each rank weighs its micro-batches by their
+      // share of it, so that the ranks' gradients sum to the window's.
+      window_items = loader.items_for(window_indices);
+
+      std::deque<Chunk> queue(chunks.begin(), chunks.end());
+      while (!queue.empty()) {
+        Chunk chunk = queue.front();
+        queue.pop_front();
+        const std::int64_t version = store.grads().version();
+        try {
+          const Batch b = loader.batch_for(chunk).to(device_);  // collated on the host, one copy
+          const double w = window_items > 0 ? static_cast<double>(b.num_items) /
+                                                  static_cast<double>(window_items)
+                                            : 0.0;
+          nn::ModelOutput o = model_->forward(model_inputs(b.inputs), b.labels);
+          // Training reads no logits: dropped, the loss's backward writes their gradient over them
+          // (Note [Reusing an input's memory], core/autograd.h).
+          o.logits = Tensor();
+          {
+            GradWeightGuard weight(w);
+            // With fp16 the seed is the loss scale (on CUDA the device's own): the loss is f32, and
+            // its scaled gradient flows into the 16-bit graph.
+            o.loss.backward(boundary.backward_seed(o.loss));
           }
-          chunks.assign(redo.begin(), redo.end());
-          queue = redo;
-          window_loss = LossSum(device_);
-          micro_batches = 0;
-        } else {
-          queue.push_front(second);
-          queue.push_front(first);
-          for (auto it = chunks.begin(); it != chunks.end(); ++it) {
-            if (*it == chunk) {
-              it = chunks.erase(it);
-              it = chunks.insert(it, second);
-              chunks.insert(it, first);
-              break;
+          // A micro-batch with no loss-bearing label has a NaN mean loss (as torch's) and weight 0:
+          // it adds nothing to the window's loss, rather than 0 * NaN.
+          if (b.num_items > 0) window_loss.add(o.loss, w);
+          ++micro_batches;
+        } catch (const OutOfMemoryError& e) {
+          MB_CHECK(chunk.size() > 1,
+                   "[Trainer] one sample does not fit in the memory budget of {}: {}",
+                   format_bytes(args_.memory_budget), e.what());
+          const std::size_t half = chunk.size() / 2;
+          Chunk first(chunk.begin(), chunk.begin() + static_cast<std::ptrdiff_t>(half));
+          Chunk second(chunk.begin() + static_cast<std::ptrdiff_t>(half), chunk.end());
+          ++oom_splits;
+          const bool restart = store.grads().version() != version;
+          nlohmann::json event{{"event", "oom_split"},
+                               {"step", step + 1},
+                               {"micro_batch", chunk.size()},
+                               {"into", {first.size(), second.size()}},
+                               {"window_restarted", restart}};
+          log_file << event.dump() << "\n";
+          log_file.flush();
+          if (restart) {
+            // Part of this micro-batch's gradient had landed: redo the window from zero, exactly.
+            store.zero_grad();
+            std::deque<Chunk> redo;
+            for (const Chunk& c : chunks) {
+              if (c == chunk) {
+                redo.push_back(first);
+                redo.push_back(second);
+              } else {
+                redo.push_back(c);
+              }
+            }
+            chunks.assign(redo.begin(), redo.end());
+            queue = redo;
+            window_loss = LossSum(device_);
+            micro_batches = 0;
+          } else {
+            queue.push_front(second);
+            queue.push_front(first);
+            for (auto it = chunks.begin(); it != chunks.end(); ++it) {
+              if (*it == chunk) {
+                it = chunks.erase(it);
+                it = chunks.insert(it, second);
+                chunks.insert(it, first);
+                break;
+              }
             }
           }
         }
       }
-    }
+    });
 
     if (group_->size() > 1) {
       // One sum over the ranks per window: the gradient and the loss of the whole window.
@@ -740,7 +777,7 @@ TrainOutput Trainer::train() {
                           step - logged_step);
     ++step;
     ++window;
-    samples += static_cast<std::int64_t>(window_indices.size());
+    samples += window_samples;
     tokens += token_labels ? window_items : 0;
     window_rng.reset();
     if (floor_stop) stop_at_floor(*floor_stop);  // this window, now counted
@@ -824,10 +861,12 @@ TrainOutput Trainer::train() {
     const bool saved_last = args_.saves_after(step);
     if (args_.save_strategy == "epoch" || (args_.save_strategy == "steps" && !saved_last)) save();
   }
-  if (main)
-    save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(),
-                     model_->state_dict());
-  group_->barrier();  // rank 0's files are written when train() returns on any rank
+  // Rank 0's files are written when train() returns on any rank.
+  group_->together("writing model.safetensors", [&] {
+    if (main)
+      save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(),
+                       model_->state_dict());
+  });
 
   TrainOutput result;
   result.global_step = step;
@@ -872,57 +911,67 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
   const bool shard = group_->size() > 1 && !collect;
   const DatasetShard share(data, group_->rank(), group_->size());
   const Dataset& source = shard ? share : data;
-  const bool token_labels = data.size() > 0 && data.get(0).label.dim() > 0;
-  for (;;) {
-    try {
-      const std::int64_t ignore_index = model_->ignore_index();
-      DataLoader loader(source, {.batch_size = eval_batch_size_,
-                                 .prefetch = 0,
-                                 .collate = {.ignore_index = ignore_index}});
-      double loss_sum = 0.0;
-      std::int64_t items = 0;
-      // Note [Predictions outside the budget]; Note [Padding across batches].
-      HostRows logits("logits", kLogitsPadding);
-      HostRows labels("labels", static_cast<double>(ignore_index));
-      bool any = false;
-      while (auto host_batch = loader.next()) {
-        const Batch batch = host_batch->to(device_);
-        nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
-        // A batch with no loss-bearing label has a NaN mean loss and no weight in the mean.
-        if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
-        items += batch.num_items;
-        if (collect) {
-          logits.add(o.logits);
-          labels.add(host_batch->labels);
-          any = true;
+  bool token_labels = false;
+  const std::int64_t ignore_index = model_->ignore_index();
+  double loss_sum = 0.0;
+  std::int64_t items = 0;
+  // Note [Predictions outside the budget]; Note [Padding across batches].
+  std::optional<HostRows> logits, labels;
+  bool any = false;
+  // Every rank evaluates its share, or every rank stops (Note [Failing together]).
+  group_->together("evaluating", [&] {
+    token_labels = data.size() > 0 && data.get(0).label.dim() > 0;
+    for (;;) {
+      try {
+        DataLoader loader(source, {.batch_size = eval_batch_size_,
+                                   .prefetch = 0,
+                                   .collate = {.ignore_index = ignore_index}});
+        loss_sum = 0.0;
+        items = 0;
+        logits.emplace("logits", kLogitsPadding);
+        labels.emplace("labels", static_cast<double>(ignore_index));
+        any = false;
+        while (auto host_batch = loader.next()) {
+          const Batch batch = host_batch->to(device_);
+          nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
+          // A batch with no loss-bearing label has a NaN mean loss and no weight in the mean.
+          if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
+          items += batch.num_items;
+          if (collect) {
+            logits->add(o.logits);
+            labels->add(host_batch->labels);
+            any = true;
+          }
         }
+        return;
+      } catch (const OutOfMemoryError&) {
+        // Evaluation shrinks its own batch; the training plan is never touched.
+        MB_CHECK(eval_batch_size_ > 1,
+                 "[Trainer] one evaluation sample does not fit in the memory budget");
+        eval_batch_size_ /= 2;
       }
-      model_->train(was_training);
-      eval_peak_ = memory_stats(device_).reserved.peak;
-      if (shard) {
-        loss_sum = group_->all_reduce_sum(loss_sum);
-        items = group_->all_reduce_sum(items);
-      }
-      Metrics m;
-      m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
-      if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
-      if (collect && any) {
-        BudgetLift lift;
-        EvalPrediction p{logits.tensor(), labels.tensor(), ignore_index};
-        if (compute_metrics_)
-          for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
-        if (keep) {
-          keep->predictions = p.logits;
-          keep->label_ids = p.labels;
-        }
-      }
-      return m;
-    } catch (const OutOfMemoryError&) {
-      // Evaluation shrinks its own batch; the training plan is never touched.
-      MB_CHECK(eval_batch_size_ > 1, "[Trainer] one evaluation sample does not fit in the memory budget");
-      eval_batch_size_ /= 2;
+    }
+  });
+  model_->train(was_training);
+  eval_peak_ = memory_stats(device_).reserved.peak;
+  if (shard) {
+    loss_sum = group_->all_reduce_sum(loss_sum);
+    items = group_->all_reduce_sum(items);
+  }
+  Metrics m;
+  m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
+  if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
+  if (collect && any) {
+    BudgetLift lift;
+    EvalPrediction p{logits->tensor(), labels->tensor(), ignore_index};
+    if (compute_metrics_)
+      for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
+    if (keep) {
+      keep->predictions = p.logits;
+      keep->label_ids = p.labels;
     }
   }
+  return m;
 }
 
 Metrics Trainer::evaluate() {

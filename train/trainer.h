@@ -54,11 +54,18 @@ std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, in
 
 /// The micro-batch schedule a Trainer with these arguments uses on `device`: planned on the meta
 /// device against memory_budget when one is set, else args' own split. It touches no device, so a
-/// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`). In a
-/// data-parallel run each rank plans with rank_arguments(), on `rank`'s shares of the `world`
-/// ranks' windows (whose sequences' lengths are its micro-batches' shapes).
+/// plan for a GPU can be made on a machine without one (`microbatch plan --device cuda`). For a
+/// data-parallel run of `world` processes, give rank_arguments(): the plan is the one every rank
+/// follows, fitted to every rank's shares of the windows (Note [Agreed plans] in
+/// train/planner.cpp); its effective_batch and accumulation_steps are rank 0's, the largest.
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
-                         const Dataset& train_set, Device device, int world = 1, int rank = 0);
+                         const Dataset& train_set, Device device, int world = 1);
+
+/// Refuses, on every rank of `group`, a data-parallel run whose ranks differ in the number of
+/// their training examples, their window, their seed or their plan (a collective; nothing in a
+/// world of one).
+void check_ranks_agree(ProcessGroup& group, const MemoryPlan& plan, std::int64_t train_examples,
+                       std::int64_t window, std::uint64_t seed);
 
 struct TrainOutput {
   std::int64_t global_step = 0;
@@ -96,7 +103,8 @@ class Trainer {
   /// Where training runs (Note [Training on a device]).
   Device device() const { return device_; }
   /// The micro-batch schedule in use (planned when memory_budget is set). In a data-parallel run
-  /// it is each rank's: its effective_batch is the rank's share of a window.
+  /// it is every rank's (Note [Agreed plans] in train/planner.cpp): its effective_batch is rank
+  /// 0's share of a window, the largest.
   const MemoryPlan& plan() const { return plan_; }
   void set_step_callback(StepCallback callback) { on_step_ = std::move(callback); }
   /// Where log lines go besides output_dir/log.jsonl (stdout by default).

@@ -61,6 +61,23 @@ if [[ $status -eq 0 || $status -eq 124 ]]; then
 fi
 grep -q "train_batch_size 15 is not divisible by the 2 processes" "$WORK/bad.out" || {
   echo "FAIL: the error was not reported"; cat "$WORK/bad.out"; exit 1; }
+# An error on rank 0 alone (its log cannot be written: a folder holds the name) ends every rank
+# together (Note [Failing together] in train/distributed.h): the message once, status 2 from each
+# rank, and no rank aborted.
+mkdir -p "$WORK/one_rank/log.jsonl"
+set +e
+timeout 120 "$MPIRUN" -np 2 "$CLI" "${common[@]}" --per-device-train-batch-size 4 \
+  --output-dir "$WORK/one_rank" > "$WORK/one_rank.out" 2>&1
+status=$?
+set -e
+if [[ $status -ne 2 ]]; then
+  echo "FAIL: an unwritable log on rank 0 exited with $status"; cat "$WORK/one_rank.out"; exit 1
+fi
+if [[ $(grep -c "^error: .*cannot write .*log.jsonl" "$WORK/one_rank.out") -ne 1 ]] ||
+   grep -q "MPI_ABORT" "$WORK/one_rank.out"; then
+  echo "FAIL: the error was not reported once by rank 0, or a rank was aborted"
+  cat "$WORK/one_rank.out"; exit 1
+fi
 # Stopping at the loss-scale floor (fp16, a learning rate that overflows every step): every rank
 # stops, and the last good state rank 0 saves is whole when the run ends, every time. The model is
 # larger here so that writing its checkpoint takes a while: without the ranks waiting for it, the

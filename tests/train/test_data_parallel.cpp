@@ -189,12 +189,12 @@ TEST_CASE("data parallel: token sequences of different lengths weigh by the wind
   CHECK(same_on_every_rank(together));
 }
 
-TEST_CASE("data parallel: each rank plans its own shares of the windows against the budget") {
+TEST_CASE("data parallel: the ranks plan every rank's shares of the windows against the budget") {
   // Sequences of 4 and 16 tokens, packed by tokens under a budget that fits 4 short sequences:
-  // each rank plans its share of the effective batch (its plan replays its own shares of the
-  // windows), no micro-batch runs out of memory on either rank, and the weights are one process's
-  // without a budget. (The plan here is the same had it replayed one process's windows: planned at
-  // the longest sequence, it does not tell the two apart.)
+  // the ranks make one plan for their shares of the effective batch (it replays every rank's
+  // shares of the windows: Note [Agreed plans]), no micro-batch runs out of memory on either rank,
+  // and the weights are one process's without a budget. (The micro-batch is the same had each rank
+  // replayed only its own windows: planned at the longest sequence, it does not tell them apart.)
   std::vector<std::int64_t> lengths(48, 4);
   for (int i = 5; i < 48; i += 3) lengths[i] = 16;
   Sequences data(lengths, 13);
@@ -207,6 +207,12 @@ TEST_CASE("data parallel: each rank plans its own shares of the windows against 
     empty_cache(kCPU);
     Trainer trainer(f64_gpt(13), args, data, nullptr, {}, group);
     trainer.set_log_stream(&sink);
+    if (group == nullptr) {  // the ranks' plans are one
+      const std::vector<std::int64_t> plans =
+          world().all_gather({trainer.plan().micro_batch_size, trainer.plan().predicted_peak});
+      CHECK(plans[0] == plans[2]);
+      CHECK(plans[1] == plans[3]);
+    }
     const TrainOutput out = trainer.train();
     clear_memory_budget(kCPU);
     return std::make_pair(out, trainer.model().state_dict());
@@ -376,6 +382,117 @@ TEST_CASE("data parallel: an effective batch that does not split evenly is refus
   args.train_batch_size = 15;
   check_throws_with([&] { run(args, data, nullptr, nullptr); },
                     "train_batch_size 15 is not divisible by the 2 processes");
+}
+
+// A dataset that, on one rank, fails to read its examples once armed (a file gone bad mid-run).
+class FailingOnRank : public Dataset {
+ public:
+  FailingOnRank(const Dataset& base, int rank) : base_(base), rank_(rank) {}
+  std::int64_t size() const override { return base_.size(); }
+  Example get(std::int64_t index) const override {
+    MB_CHECK(!armed || world().rank() != rank_, "example {} is corrupt", index);
+    return base_.get(index);
+  }
+  bool armed = false;
+
+ private:
+  const Dataset& base_;
+  int rank_;
+};
+
+TEST_CASE("data parallel: an error on one rank stops every rank with its message") {
+  // Note [Failing together]: without it, the rank that did not fail waits in the next sum for
+  // ever (ctest's time-out ends this case as a failure).
+  TensorDataset base = synthetic_images(32, 16);
+  SharedDir dir;
+  for (int failing : {0, 1}) {
+    CAPTURE(failing);
+    FailingOnRank data(base, failing);
+    TrainingArguments args = small_run(dir.path / fmt::format("examples-{}", failing));
+    args.per_device_train_batch_size = 4;
+    std::ostringstream sink;
+    Trainer trainer(small_mlp(), args, data, nullptr, {}, nullptr);
+    trainer.set_log_stream(&sink);
+    trainer.set_step_callback([&](std::int64_t step) { data.armed = step == 2; });
+    const std::string expected =
+        world().rank() == failing
+            ? std::string("is corrupt")
+            : fmt::format("rank {} of 2 failed while training step 3: example ", failing);
+    check_throws_with([&] { trainer.train(); }, expected);
+  }
+  // The world is still whole: the ranks go on summing together.
+  CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
+}
+
+TEST_CASE(
+    "data parallel: a log, checkpoint or evaluation that fails on one rank stops every rank") {
+  TensorDataset data = synthetic_images(32, 17), eval = synthetic_images(12, 18);
+  SharedDir dir;
+  // Rank 0 alone writes the log: a folder in its place stops it, and rank 1 with it.
+  TrainingArguments args = small_run(dir.path / "log");
+  args.per_device_train_batch_size = 4;
+  if (world().is_main()) fs::create_directories(dir.path / "log" / "log.jsonl");
+  world().barrier();
+  check_throws_with([&] { run(args, data, nullptr, nullptr); },
+                    world().is_main() ? "cannot write"
+                                      : "rank 0 of 2 failed while opening output_dir: [Trainer] "
+                                        "cannot write");
+  // A checkpoint that rank 0 cannot write: a file where its folder's parent should be.
+  args.output_dir = (dir.path / "save").string();
+  args.save_strategy = "steps";
+  args.save_steps = 2;
+  std::ostringstream sink;
+  Trainer saving(small_mlp(), args, data, nullptr, {}, nullptr);
+  saving.set_log_stream(&sink);
+  saving.set_step_callback([&](std::int64_t step) {
+    if (step == 1 && world().is_main()) {
+      fs::remove_all(args.output_dir);
+      std::ofstream(args.output_dir) << "not a folder";
+    }
+  });
+  check_throws_with([&] { saving.train(); }, world().is_main()
+                                                 ? "checkpoint"
+                                                 : "rank 0 of 2 failed while saving checkpoint-2");
+  // An evaluation example that rank 1 cannot read.
+  FailingOnRank bad_eval(eval, 1);
+  bad_eval.armed = true;
+  args = small_run(dir.path / "eval");
+  args.per_device_train_batch_size = 4;
+  Trainer evaluating(small_mlp(), args, data, &bad_eval, {}, nullptr);
+  check_throws_with(
+      [&] { evaluating.evaluate(); },
+      world().is_main() ? "rank 1 of 2 failed while evaluating: example" : "is corrupt");
+  CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
+}
+
+TEST_CASE("data parallel: ranks given different data, arguments or backends are refused on each") {
+  TensorDataset data = synthetic_images(32, 19), fewer = synthetic_images(30, 19);
+  SharedDir dir;
+  TrainingArguments args = small_run(dir.path / "parallel");
+  args.per_device_train_batch_size = 4;
+  const Dataset& mine = world().is_main() ? static_cast<const Dataset&>(data) : fewer;
+  check_throws_with([&] { Trainer trainer(small_mlp(), args, mine, nullptr, {}, nullptr); },
+                    "rank 0: 32 training examples, windows of 16, seed 42, micro-batches of 4, "
+                    "predicted peak 0 bytes; rank 1: 30 training examples");
+  // A budget on one rank only: the ranks would plan differently.
+  TrainingArguments budgeted = args;
+  if (!world().is_main()) {
+    budgeted.memory_budget = 64 << 20;
+    budgeted.per_device_train_batch_size = kAutoBatch;
+    budgeted.gradient_accumulation_steps = 1;
+    budgeted.train_batch_size = 16;
+  }
+  check_throws_with([&] { Trainer trainer(small_mlp(), budgeted, data, nullptr, {}, nullptr); },
+                    "differ in their training set, arguments or plan");
+  // ddp_backend = nccl on the CPU, on rank 1 alone: refused before any rank waits in NCCL.
+  TrainingArguments backend = args;
+  if (!world().is_main()) backend.ddp_backend = "nccl";
+  check_throws_with(
+      [&] { Trainer trainer(small_mlp(), backend, data, nullptr, {}, nullptr); },
+      world().is_main()
+          ? "rank 1 of 2 failed while readying its ddp_backend: [distributed] ddp_backend = nccl"
+          : "ddp_backend = nccl sums CUDA device memory");
+  CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
 }
 
 TEST_CASE("data parallel: the Accelerator sums each window's gradients over the processes") {

@@ -3,6 +3,7 @@
 // run under `mpirun -np 2` (tests/train/test_data_parallel.cpp, ctest's data_parallel entry).
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <numeric>
 #include <set>
@@ -173,20 +174,60 @@ TEST_CASE("distributed: a window is every rank's batch, at most the training set
   CHECK(global_window(INT64_MAX, 10, 3) == 10);  // no overflow of the product
 }
 
-TEST_CASE("distributed: each rank plans for its share of a window cut to the training set") {
+TEST_CASE("distributed: one plan for every rank's share of a window cut to the training set") {
   // 9 examples, 5 a rank over 2 processes: one window of all 9, 5 for rank 0 and 4 for rank 1.
-  // Planning needs no other process: plan_training takes the world's size and the rank.
+  // Planning needs no other process: plan_training takes the world's size. The plan's counts are
+  // rank 0's, the largest share.
   TensorDataset data = synthetic_images(9, 6);
   TrainingArguments args{
       .per_device_train_batch_size = 5, .memory_budget = 64 << 20, .use_cpu = true};
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 0).effective_batch == 5);
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 1, 0).effective_batch == 5);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2).effective_batch == 5);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 1).effective_batch == 5);
   args.per_device_train_batch_size = 12;
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 1, 0).effective_batch == 9);
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 1).effective_batch == 9);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2).effective_batch == 5);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 3).effective_batch == 3);
   args.memory_budget = 0;  // without a budget, the split asked for
-  CHECK(plan_training(small_mlp(), args, data, kCPU, 2, 1).effective_batch == 4);
+  CHECK(plan_training(small_mlp(), args, data, kCPU, 2).effective_batch == 5);
+  CHECK_THROWS_WITH_AS(plan_training(small_mlp(), args, data, kCPU, 0),
+                       doctest::Contains("at least one process"), Error);
+}
+
+TEST_CASE("distributed: the ranks' plan fits the rank whose windows need the most") {
+  // Note [Agreed plans]: 2 processes, windows of 8 a rank over 33 examples. Rank 0's share of the
+  // epoch's last window is 1 example and rank 1's is none, so rank 0 alone runs a micro-batch of
+  // 1, which takes cache blocks of its own (Note [Uneven windows]). Each rank's windows are those
+  // of one process with windows of 8 over 33 examples (rank 0) or 32 (rank 1); under a budget
+  // that holds rank 1's windows of 8 and not rank 0's, each would plan differently alone.
+  TensorDataset rank0_alone = synthetic_images(33, 6), rank1_alone = synthetic_images(32, 6);
+  TensorDataset both = synthetic_images(33, 6);
+  TrainingArguments args{.per_device_train_batch_size = kAutoBatch,
+                         .train_batch_size = 8,
+                         .memory_budget = std::int64_t{1} << 30,
+                         .use_cpu = true};
+  const MemoryPlan roomy0 = plan_training(small_mlp(), args, rank0_alone, kCPU);
+  const MemoryPlan roomy1 = plan_training(small_mlp(), args, rank1_alone, kCPU);
+  REQUIRE(roomy0.micro_batch_size == 8);
+  REQUIRE(roomy1.micro_batch_size == 8);
+  INFO("windows of 8: rank 0's peak " << roomy0.predicted_peak << ", rank 1's "
+                                      << roomy1.predicted_peak);
+  REQUIRE(roomy0.predicted_peak > roomy1.predicted_peak);  // the tail's blocks
+  // The least budget whose usable part (less the 5% margin) holds rank 1's window of 8.
+  args.memory_budget = static_cast<std::int64_t>(
+      std::ceil(static_cast<double>(roomy1.predicted_peak) / (1.0 - roomy1.margin)));
+  const MemoryPlan alone0 = plan_training(small_mlp(), args, rank0_alone, kCPU);
+  const MemoryPlan alone1 = plan_training(small_mlp(), args, rank1_alone, kCPU);
+  REQUIRE(alone1.micro_batch_size == 8);
+  REQUIRE(alone0.micro_batch_size < 8);  // the ranks would disagree
+
+  TrainingArguments world_args = args;
+  world_args.train_batch_size = 16;
+  const MemoryPlan agreed =
+      plan_training(small_mlp(), rank_arguments(world_args, 2), both, kCPU, 2);
+  CHECK(agreed.micro_batch_size == alone0.micro_batch_size);
+  CHECK(agreed.gradient_checkpointing == alone0.gradient_checkpointing);
+  CHECK(agreed.predicted_peak == alone0.predicted_peak);
+  CHECK(agreed.predicted_peak <= args.memory_budget);
 }
 
 TEST_CASE("distributed: each rank's arguments hold its share of the effective batch") {
