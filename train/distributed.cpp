@@ -8,8 +8,10 @@
 #include <initializer_list>
 #include <optional>
 #include <string_view>
+#include <vector>
 
 #include "core/error.h"
+#include "core/half.h"
 
 #ifdef MB_HAVE_MPI
 // The C interface alone: Open MPI's and MPICH's C++ bindings are deprecated and warn.
@@ -212,9 +214,7 @@ MPI_Datatype mpi_type(DType dtype) {
     default:
       break;
   }
-  MB_CHECK(false,
-           "[distributed] MPI cannot sum {} tensors (f32, f64 and i64 only): keep "
-           "gradients in f32 (gradient_accumulation_dtype = f32)",
+  MB_CHECK(false, "[distributed] MPI cannot sum {} tensors (f32, f64, f16, bf16 and i64 only)",
            dtype_name(dtype));
   return MPI_DATATYPE_NULL;
 }
@@ -243,6 +243,27 @@ ncclDataType_t nccl_type(DType dtype) {
 
 // Elements per MPI call: the counts are ints, and a few large buckets keep every call long.
 constexpr std::int64_t kBucket = std::int64_t{1} << 26;
+// Elements of a 16-bit tensor summed in f32 per MPI call: a 4 MiB host buffer.
+constexpr std::int64_t kWideBucket = std::int64_t{1} << 20;
+
+#ifdef MB_HAVE_MPI
+// MPI has no 16-bit floating-point sum: an f16 or bf16 tensor is widened to f32 a bucket at a
+// time, summed in f32 over the ranks, and rounded back once, the same on every rank (NCCL rounds
+// after each rank's addition instead). The buffer is the collective's own, as MPI's are, outside
+// the allocator and its budget.
+void all_reduce_16bit(std::uint16_t* bits, std::int64_t n, float (*widen)(std::uint16_t),
+                      std::uint16_t (*narrow)(float)) {
+  std::vector<float> wide(static_cast<std::size_t>(std::min(n, kWideBucket)));
+  for (std::int64_t at = 0; at < n; at += kWideBucket) {
+    const auto m = static_cast<std::size_t>(std::min(kWideBucket, n - at));
+    std::uint16_t* chunk = bits + at;
+    for (std::size_t i = 0; i < m; ++i) wide[i] = widen(chunk[i]);
+    MPI_Allreduce(MPI_IN_PLACE, wide.data(), static_cast<int>(m), MPI_FLOAT, MPI_SUM,
+                  MPI_COMM_WORLD);
+    for (std::size_t i = 0; i < m; ++i) chunk[i] = narrow(wide[i]);
+  }
+}
+#endif
 
 void check_collective_tensor(const Tensor& t, const char* what) {
   MB_CHECK(t.defined(), "[distributed] {} of an undefined tensor", what);
@@ -280,6 +301,15 @@ void ProcessGroup::all_reduce_sum(Tensor& t) {
   }
   MB_CHECK(t.device().is_cpu(), "[distributed] cannot sum a tensor on {}", t.device().str());
 #ifdef MB_HAVE_MPI
+  if (t.dtype() == DType::f16 || t.dtype() == DType::bf16) {
+    auto* bits = static_cast<std::uint16_t*>(t.raw_data());
+    if (t.dtype() == DType::f16) {
+      all_reduce_16bit(bits, t.numel(), half_bits_to_float, float_to_half_bits);
+    } else {
+      all_reduce_16bit(bits, t.numel(), bf16_bits_to_float, float_to_bf16_bits);
+    }
+    return;
+  }
   const MPI_Datatype type = mpi_type(t.dtype());
   char* p = static_cast<char*>(t.raw_data());
   const std::size_t elem = dtype_size(t.dtype());

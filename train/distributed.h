@@ -86,7 +86,8 @@ class ProcessGroup {
   DdpBackend backend() const { return backend_; }
 
   /// Sums a contiguous tensor over the ranks, in place (f32, f64, f16, bf16, i64; on the CPU over
-  /// MPI, on CUDA over NCCL). Every rank must call it, with the same shape and dtype.
+  /// MPI, which sums 16-bit tensors in f32 and rounds once; on CUDA over NCCL). Every rank must
+  /// call it, with the same shape and dtype.
   void all_reduce_sum(Tensor& t);
   /// Sums a host value over the ranks (MPI; a world of one returns it).
   double all_reduce_sum(double value);
