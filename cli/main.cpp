@@ -474,7 +474,7 @@ int main(int argc, char** argv) {
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
   plan_cmd->add_option("--processes", plan.processes,
-                       "plan rank 0's share for a data-parallel run of this many processes "
+                       "plan every rank of a data-parallel run of this many processes "
                        "(default 1)");
   std::string dtypes = "both";
   bool json = false;
@@ -501,7 +501,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message
     // and an exit status, never an abort.
-    if (mb::train::ProcessGroup::failure_shared()) {
+    if (dynamic_cast<const mb::train::SharedFailure*>(&e) != nullptr) {
       // Every rank of a data-parallel run has this error (Note [Failing together] in
       // train/distributed.h): rank 0 says it, and each rank ends on its own.
       if (mb::train::launch_info().rank == 0) std::cerr << "error: " << e.what() << "\n";

@@ -56,11 +56,19 @@ std::optional<WindowBatch> WindowedLoader::next() {
 bool WindowedLoader::read_window() {
   // Read the whole window ahead, so every batch's weight is known before its backward
   // (Note [Window read-ahead]): if next_() throws, pending_ keeps what it holds for the retry.
-  while (static_cast<std::int64_t>(pending_.size()) < steps_) {
-    std::optional<Batch> b = next_();
-    if (loader_) read_to_ = loader_->state();
-    if (!b) break;
-    pending_.push_back(std::move(*b));
+  auto read = [&] {
+    while (static_cast<std::int64_t>(pending_.size()) < steps_) {
+      std::optional<Batch> b = next_();
+      if (loader_) read_to_ = loader_->state();
+      if (!b) break;
+      pending_.push_back(std::move(*b));
+    }
+  };
+  if (group_ != nullptr) {
+    // A process whose source fails stops every process (Note [Failing together]).
+    group_->together("reading its window", read);
+  } else {
+    read();
   }
   if (group_ != nullptr) {
     // Every process's source must end together: one whose data ran out would leave the others
@@ -116,21 +124,24 @@ void WindowedLoader::reset() {
 
 Accelerator::Accelerator(AcceleratorConfig config)
     : config_(config), group_(config.group != nullptr ? config.group : &ProcessGroup::world()) {
-  MB_CHECK(config.gradient_accumulation_steps >= 1,
-           "[Accelerator] gradient_accumulation_steps must be >= 1, got {}",
-           config.gradient_accumulation_steps);
-  if (config.device) {
-    const Device d = *config.device;
-    MB_CHECK(!d.is_meta(), "[Accelerator] device must be cpu or cuda:N, got meta");
-    MB_CHECK(!(config.cpu && d.is_cuda()),
-             "[Accelerator] cpu = true and device = {} disagree: give one of them", d.str());
-    MB_CHECK(!d.is_cuda() || d.index < cuda_device_count(),
-             "[Accelerator] device {} is not present ({} CUDA device(s) here)", d.str(),
-             cuda_device_count());
-    device_ = d;
-  } else {
-    device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
-  }
+  // A rank that refuses alone would leave the others waiting (Note [Failing together]).
+  group_->together("checking its configuration", [&] {
+    MB_CHECK(config.gradient_accumulation_steps >= 1,
+             "[Accelerator] gradient_accumulation_steps must be >= 1, got {}",
+             config.gradient_accumulation_steps);
+    if (config.device) {
+      const Device d = *config.device;
+      MB_CHECK(!d.is_meta(), "[Accelerator] device must be cpu or cuda:N, got meta");
+      MB_CHECK(!(config.cpu && d.is_cuda()),
+               "[Accelerator] cpu = true and device = {} disagree: give one of them", d.str());
+      MB_CHECK(!d.is_cuda() || d.index < cuda_device_count(),
+               "[Accelerator] device {} is not present ({} CUDA device(s) here)", d.str(),
+               cuda_device_count());
+      device_ = d;
+    } else {
+      device_ = !config.cpu && cuda_available() ? cuda_device(0) : kCPU;
+    }
+  });
   device_ = prepare_rank(*group_, device_,
                          config.device ? DeviceIndex::Named : DeviceIndex::Default,
                          config.ddp_backend);
@@ -152,11 +163,14 @@ void check_ignore_index(std::int64_t model, std::int64_t loader) {
 }  // namespace
 
 nn::Module& Accelerator::prepare_model(nn::Module& model) {
-  if (const auto* m = dynamic_cast<const nn::Model*>(&model)) {
-    for (std::int64_t loader : loader_ignore_indices_) check_ignore_index(m->ignore_index(), loader);
-    model_ignore_index_ = m->ignore_index();
-  }
-  model.to(device_);
+  group_->together("preparing its model", [&] {
+    if (const auto* m = dynamic_cast<const nn::Model*>(&model)) {
+      for (std::int64_t loader : loader_ignore_indices_)
+        check_ignore_index(m->ignore_index(), loader);
+      model_ignore_index_ = m->ignore_index();
+    }
+    model.to(device_);
+  });
   if (group_->size() > 1) {
     for (Tensor p : model.parameters()) group_->broadcast(p);
   }

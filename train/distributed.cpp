@@ -185,14 +185,21 @@ void ProcessGroup::use(DdpBackend backend, Device device) {
     }
   });
 #ifdef MB_HAVE_NCCL
-  if (backend == DdpBackend::Nccl && !(nccl_ && nccl_->device == device.index)) {
+  // A communicator is made when any rank lacks one on its device, by every rank together.
+  const bool make = backend == DdpBackend::Nccl &&
+                    all_reduce_max(nccl_ && nccl_->device == device.index ? 0 : 1) == 1;
+  if (make) {
     nccl_.reset();
     ncclUniqueId id{};
-    if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
+    together("readying NCCL", [&] {
+      if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
+      MB_CUDA_CHECK(cudaSetDevice(device.index));
+    });
     if (size_ > 1) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
-    MB_CUDA_CHECK(cudaSetDevice(device.index));
     auto nccl = std::make_unique<Nccl>();
     nccl->device = device.index;
+    // A rank whose ncclCommInitRank fails leaves the others in theirs: the command's MPI_Abort
+    // ends them (Note [Failing together]).
     MB_NCCL_CHECK(ncclCommInitRank(&nccl->comm, size_, id, rank_));
     nccl_ = std::move(nccl);
   }
@@ -344,8 +351,6 @@ std::int64_t ProcessGroup::all_reduce_max(std::int64_t value) {
 
 namespace {
 
-bool g_failure_shared = false;  // ProcessGroup::failure_shared()
-
 // An exception's message, whatever it is.
 std::string message_of(const std::exception_ptr& error) {
   try {
@@ -363,21 +368,38 @@ void ProcessGroup::settle(std::exception_ptr mine, const std::string& doing) {
   // The lowest failing rank, as size - rank under a maximum (0: none failed).
   const std::int64_t lowest = all_reduce_max(mine ? size_ - rank_ : 0);
   if (lowest == 0) return;
+  // Anything else was another collective's value: a rank is elsewhere in the run.
+  MB_CHECK(lowest > 0 && lowest <= size_,
+           "[distributed] the ranks' collectives are out of step (rank {} of {} got {} while {}): "
+           "were they given different arguments?",
+           rank_, size_, lowest, doing);
   const int root = size_ - static_cast<int>(lowest);
   std::string message = root == rank_ ? message_of(mine) : std::string();
-#ifdef MB_HAVE_MPI
-  auto length = static_cast<std::int64_t>(message.size());
-  MPI_Bcast(&length, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
-  message.resize(static_cast<std::size_t>(length));
-  MPI_Bcast(message.data(), static_cast<int>(length), MPI_CHAR, root, MPI_COMM_WORLD);
-#endif
-  g_failure_shared = true;
-  if (mine) std::rethrow_exception(mine);
-  throw Error(
-      fmt::format("[distributed] rank {} of {} failed while {}: {}", root, size_, doing, message));
+  // What the failing rank threw: 0 for an error, else an out-of-memory error's request + 1.
+  std::vector<std::int64_t> out_of_memory{0};
+  if (root == rank_) {
+    try {
+      std::rethrow_exception(mine);
+    } catch (const OutOfMemoryError& e) {
+      out_of_memory[0] = static_cast<std::int64_t>(e.requested()) + 1;
+    } catch (...) {
+    }
+  }
+  std::vector<std::byte> sent(message.size() + sizeof(std::int64_t));
+  std::memcpy(sent.data(), out_of_memory.data(), sizeof(std::int64_t));
+  std::memcpy(sent.data() + sizeof(std::int64_t), message.data(), message.size());
+  broadcast(sent, root);
+  std::memcpy(out_of_memory.data(), sent.data(), sizeof(std::int64_t));
+  message.assign(reinterpret_cast<const char*>(sent.data()) + sizeof(std::int64_t),
+                 sent.size() - sizeof(std::int64_t));
+  if (root != rank_) {
+    message =
+        fmt::format("[distributed] rank {} of {} failed while {}: {}", root, size_, doing, message);
+  }
+  if (out_of_memory[0] > 0)
+    throw SharedOutOfMemoryError(message, static_cast<std::size_t>(out_of_memory[0] - 1), root);
+  throw SharedError(message, root);
 }
-
-bool ProcessGroup::failure_shared() { return g_failure_shared; }
 
 std::vector<std::int64_t> ProcessGroup::all_gather(const std::vector<std::int64_t>& mine) {
   if (size_ == 1) return mine;
@@ -408,6 +430,21 @@ void ProcessGroup::broadcast(Tensor& t, int root) {
   const std::size_t total = t.nbytes(), bucket = static_cast<std::size_t>(kBucket);
   for (std::size_t at = 0; at < total; at += bucket) {
     MPI_Bcast(p + at, static_cast<int>(std::min(bucket, total - at)), MPI_BYTE, root,
+              MPI_COMM_WORLD);
+  }
+#endif
+}
+
+void ProcessGroup::broadcast(std::vector<std::byte>& bytes, int root) {
+  MB_CHECK(root >= 0 && root < size_, "[distributed] broadcast from rank {} in a world of {}", root,
+           size_);
+  if (size_ == 1) return;
+#ifdef MB_HAVE_MPI
+  auto total = static_cast<std::int64_t>(bytes.size());
+  MPI_Bcast(&total, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
+  bytes.resize(static_cast<std::size_t>(total));
+  for (std::int64_t at = 0; at < total; at += kBucket) {
+    MPI_Bcast(bytes.data() + at, static_cast<int>(std::min(kBucket, total - at)), MPI_BYTE, root,
               MPI_COMM_WORLD);
   }
 #endif
@@ -462,6 +499,20 @@ Device prepare_rank(ProcessGroup& group, Device device, DeviceIndex index,
     if (index == DeviceIndex::Default) device = rank_device(group, device);
     backend = parse_ddp_backend(ddp_backend, group, device);
   });
+  // Ranks that chose differently (one whose GPU is not there trains on the CPU under "auto") would
+  // sum with different backends: refused on every rank alike.
+  const std::vector<std::int64_t> all = group.all_gather(
+      {static_cast<std::int64_t>(backend), static_cast<std::int64_t>(device.type)});
+  for (int r = 1; r < group.size(); ++r) {
+    const std::size_t at = static_cast<std::size_t>(r) * 2;
+    MB_CHECK(all[at] == all[0] && all[at + 1] == all[1],
+             "[distributed] rank {} trains on {} with ddp_backend {}, rank 0 on {} with {}: every "
+             "rank must train on the same kind of device, with the same backend",
+             r, Device{static_cast<DeviceType>(all[at + 1]), 0}.str(),
+             ddp_backend_name(static_cast<DdpBackend>(all[at])),
+             Device{static_cast<DeviceType>(all[1]), 0}.str(),
+             ddp_backend_name(static_cast<DdpBackend>(all[0])));
+  }
   group.use(backend, device);
   return device;
 }

@@ -31,12 +31,20 @@
 // inside ProcessGroup::together(): afterwards every rank learns, in one all-reduce of a number,
 // whether any rank failed. If one did, the lowest failing rank's message goes to every rank; each
 // failing rank rethrows its own error, and every other rank throws an Error that names the failing
-// rank and carries its message. Every rank leaves at the same point with an exception, and the
-// world stays whole (no MPI_Abort): the command prints the message once, from rank 0, and every
-// rank exits with status 2. An error that together() did not share (one outside the Trainer, say)
-// still ends the run: the command calls MPI_Abort, and the launcher stops the other ranks.
+// rank and carries its message, both as a SharedFailure of one kind (SharedOutOfMemoryError when
+// the failing rank ran out of memory, so that a program that retries on OutOfMemoryError retries on
+// every rank). Every rank leaves at the same point with an exception, and the world stays whole
+// (no MPI_Abort): the command prints the message once, from rank 0, and every rank exits with
+// status 2. What together() does not cover still ends the command's run on every rank, with
+// MPI_Abort, the launcher stopping the other ranks; in a program of one's own it leaves them
+// waiting. In the Trainer that is: allocating the arenas, the optimizer's state and the loss sums
+// when train() starts (the same sizes on every rank, under the same budget), the boundary step and
+// its log line (where an asynchronous CUDA error surfaces), and collectives out of step because
+// ranks were given different arguments that the Trainer does not compare (it compares all of
+// TrainingArguments and the training labels' fingerprint).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -52,6 +60,30 @@ namespace microbatch::train {
 /// world of one.
 enum class DdpBackend { None, Mpi, Nccl };
 const char* ddp_backend_name(DdpBackend backend);
+
+/// What every rank throws when together() learns that a rank failed (Note [Failing together]).
+/// The failing rank's exception carries its own message, the others' name that rank and carry its
+/// message. Every rank throws the same kind: SharedOutOfMemoryError (an OutOfMemoryError) when
+/// the failing rank ran out of memory, else SharedError (an Error).
+class SharedFailure {
+ public:
+  explicit SharedFailure(int failed_rank) : failed_rank_(failed_rank) {}
+  virtual ~SharedFailure() = default;
+  /// The lowest rank that failed.
+  int failed_rank() const { return failed_rank_; }
+
+ private:
+  int failed_rank_;
+};
+class SharedError final : public Error, public SharedFailure {
+ public:
+  SharedError(const std::string& what, int failed_rank) : Error(what), SharedFailure(failed_rank) {}
+};
+class SharedOutOfMemoryError final : public OutOfMemoryError, public SharedFailure {
+ public:
+  SharedOutOfMemoryError(const std::string& what, std::size_t requested, int failed_rank)
+      : OutOfMemoryError(what, requested), SharedFailure(failed_rank) {}
+};
 
 /// Whether this build can run worlds of more than one process (MPI).
 bool mpi_built();
@@ -98,6 +130,8 @@ class ProcessGroup {
   std::vector<std::int64_t> all_gather(const std::vector<std::int64_t>& mine);
   /// Copies rank `root`'s bytes of a contiguous tensor into every rank's.
   void broadcast(Tensor& t, int root = 0);
+  /// Copies rank `root`'s host bytes, however many, into every rank's `bytes` (resized to fit).
+  void broadcast(std::vector<std::byte>& bytes, int root);
   void barrier();
   /// Runs `work` on this rank; in a world of more than one, every rank then learns whether it threw
   /// on any rank, and if it did, throws too (Note [Failing together]). A collective, and a
@@ -118,9 +152,6 @@ class ProcessGroup {
     }
     settle(failure, doing);
   }
-  /// Whether an error has been shared by every rank of the world through together(): the command
-  /// then ends each rank on its own, without MPI_Abort.
-  static bool failure_shared();
   /// After an error on this rank: ends every rank of a world of more than one (MPI_Abort), which
   /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
   /// or before the world was made.
@@ -140,8 +171,8 @@ class ProcessGroup {
   /// The NCCL communicator (an ncclComm_t) for a tensor on a CUDA device, made current; refused
   /// without one on that device.
   void* device_comm(const Tensor& t, const char* doing);
-  /// together()'s collective: throws on every rank when `mine` (this rank's error, or null) is set
-  /// on any.
+  /// together()'s collective: throws a SharedFailure on every rank when `mine` (this rank's
+  /// error, or null) is set on any.
   void settle(std::exception_ptr mine, const std::string& doing);
   struct Nccl;
   int size_ = 1;

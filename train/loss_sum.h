@@ -56,6 +56,7 @@ class LossSum {
     const Tensor finite = lt(abs(term), scalar_tensor(std::numeric_limits<double>::infinity(),
                                                       {.dtype = DType::f64, .device = device_}));
     device_sum_ = device_sum_ + where(finite, term, (device_sum_ - logged) / count);
+    own_sum_ = false;
   }
   /// Sums this over the ranks of a data-parallel run (a window's loss: Note [Data parallel] in
   /// train/distributed.h). Every rank calls it, one that ran no micro-batch too; on a device the
@@ -66,11 +67,19 @@ class LossSum {
       host_ = group.all_reduce_sum(host_);
       return;
     }
-    // A sum of its own, which no loss tensor shares.
+    ready_to_reduce();
+    group.all_reduce_sum(device_sum_);
+    own_sum_ = false;
+  }
+  /// Gives the sum on a device a tensor of its own, which no loss tensor shares, for all_reduce: an
+  /// allocation, which the Trainer makes where a rank's failure is shared with the others (Note
+  /// [Failing together] in train/distributed.h). Nothing on the CPU, or when it has one already.
+  void ready_to_reduce() {
+    if (device_.is_cpu() || own_sum_) return;
     device_sum_ = device_sum_.defined() ? device_sum_ + host_
                                         : scalar_tensor(host_, {.dtype = DType::f64}).to(device_);
     host_ = 0.0;
-    group.all_reduce_sum(device_sum_);
+    own_sum_ = true;
   }
   /// The sum (waits for the device).
   double value() const { return device_sum_.defined() ? host_ + device_sum_.item() : host_; }
@@ -82,10 +91,12 @@ class LossSum {
       host_ = 0.0;
     }
     device_sum_ = device_sum_.defined() ? device_sum_ + term : term;
+    own_sum_ = false;
   }
   Device device_;
   double host_;         // the whole sum on the CPU; on a GPU, what came before device_sum_
   Tensor device_sum_;  // () f64 on the device, or undefined
+  bool own_sum_ = false;  // device_sum_ was made by ready_to_reduce() and nothing added since
 };
 
 }  // namespace microbatch::train

@@ -3,7 +3,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <set>
+#include <utility>
+
+#include "train/distributed.h"
 
 namespace microbatch::train {
 
@@ -117,6 +121,110 @@ Tensor HostRows::tensor() const {
   MB_ASSERT(src == bytes_.data() + bytes_.size(), "HostRows: {} bytes gathered, {} placed",
             bytes_.size(), src - bytes_.data());
   return t;
+}
+
+namespace {
+
+// A rank's rows as sent: their dtype and first batch's shape (when it has rows), and each row's
+// length, as int64 words.
+std::vector<std::byte> words_bytes(const std::vector<std::int64_t>& words) {
+  std::vector<std::byte> bytes(words.size() * sizeof(std::int64_t));
+  if (!words.empty()) std::memcpy(bytes.data(), words.data(), bytes.size());
+  return bytes;
+}
+
+std::vector<std::int64_t> bytes_words(const std::vector<std::byte>& bytes) {
+  std::vector<std::int64_t> words(bytes.size() / sizeof(std::int64_t));
+  if (!words.empty()) std::memcpy(words.data(), bytes.data(), words.size() * sizeof(std::int64_t));
+  return words;
+}
+
+}  // namespace
+
+void HostRows::gather_shares(ProcessGroup& group) {
+  const int world = group.size();
+  if (world == 1) return;
+  // Each rank in turn sends its header, [rows, dtype, dims, shape..., each row's length...], and
+  // its bytes; every rank keeps them all.
+  std::vector<std::int64_t> mine{0};
+  for (const Part& part : parts_) {
+    mine[0] += part.rows;
+  }
+  if (mine[0] > 0) {
+    mine.push_back(static_cast<std::int64_t>(dtype_));
+    mine.push_back(static_cast<std::int64_t>(first_.size()));
+    mine.insert(mine.end(), first_.begin(), first_.end());
+    for (const Part& part : parts_)
+      mine.insert(mine.end(), static_cast<std::size_t>(part.rows), part.length);
+  }
+  std::vector<std::vector<std::int64_t>> lengths(static_cast<std::size_t>(world));
+  std::vector<std::vector<std::byte>> bytes(static_cast<std::size_t>(world));
+  std::optional<std::pair<DType, Shape>> kind;  // the first rank's with rows
+  std::int64_t total = 0;
+  for (int r = 0; r < world; ++r) {
+    const bool me = r == group.rank();
+    std::vector<std::byte> header = me ? words_bytes(mine) : std::vector<std::byte>();
+    group.broadcast(header, r);
+    const std::vector<std::int64_t> words = bytes_words(header);
+    auto& rank_bytes = bytes[static_cast<std::size_t>(r)];
+    if (me) rank_bytes = bytes_;
+    group.broadcast(rank_bytes, r);
+    const std::int64_t rows = words.at(0);
+    if (rows == 0) continue;
+    const auto dims = static_cast<std::size_t>(words.at(2));
+    const std::pair<DType, Shape> rank_kind{
+        static_cast<DType>(words.at(1)),
+        Shape(words.begin() + 3, words.begin() + 3 + static_cast<std::ptrdiff_t>(dims))};
+    if (!kind) kind = rank_kind;
+    // The same check on every rank, of the same headers: every rank refuses alike.
+    const bool same =
+        rank_kind.first == kind->first && rank_kind.second.size() == kind->second.size() &&
+        std::equal(kind->second.begin() + std::min<std::ptrdiff_t>(2, dims), kind->second.end(),
+                   rank_kind.second.begin() + std::min<std::ptrdiff_t>(2, dims));
+    MB_CHECK(same,
+             "[evaluate] rank {}'s {} are {} {}, another rank's {} {}: the ranks' models differ", r,
+             what_, dtype_name(rank_kind.first), shape_str(rank_kind.second),
+             dtype_name(kind->first), shape_str(kind->second));
+    lengths[static_cast<std::size_t>(r)].assign(
+        words.begin() + 3 + static_cast<std::ptrdiff_t>(dims), words.end());
+    total += rows;
+  }
+  for (int r = 0; r < world; ++r) {
+    MB_CHECK(static_cast<std::int64_t>(lengths[static_cast<std::size_t>(r)].size()) ==
+                 share_size(total, r, world),
+             "[evaluate] rank {} has {} rows of {}, not its share of {} in all", r,
+             lengths[static_cast<std::size_t>(r)].size(), what_, total);
+  }
+  if (total == 0) return;
+  // Row j of the whole set is row j / W of rank j % W.
+  const Shape first = kind->second;
+  std::size_t inner = dtype_size(kind->first);
+  for (std::size_t d = 2; d < first.size(); ++d) inner *= static_cast<std::size_t>(first[d]);
+  std::vector<std::size_t> offset(static_cast<std::size_t>(world), 0);
+  std::vector<Part> parts;
+  std::vector<std::byte> all;
+  for (std::int64_t j = 0; j < total; ++j) {
+    const auto r = static_cast<std::size_t>(j % world);
+    const std::int64_t length = lengths[r][static_cast<std::size_t>(j / world)];
+    const std::size_t n = static_cast<std::size_t>(length) * inner;
+    all.insert(all.end(), bytes[r].begin() + static_cast<std::ptrdiff_t>(offset[r]),
+               bytes[r].begin() + static_cast<std::ptrdiff_t>(offset[r] + n));
+    offset[r] += n;
+    if (!parts.empty() && parts.back().length == length) {
+      ++parts.back().rows;
+    } else {
+      parts.push_back({.rows = 1, .length = length});
+    }
+  }
+  for (int r = 0; r < world; ++r)
+    MB_ASSERT(offset[static_cast<std::size_t>(r)] == bytes[static_cast<std::size_t>(r)].size(),
+              "HostRows: rank {} sent {} bytes, {} placed", r,
+              bytes[static_cast<std::size_t>(r)].size(), offset[static_cast<std::size_t>(r)]);
+  dtype_ = kind->first;
+  first_ = first;
+  inner_bytes_ = inner;
+  parts_ = std::move(parts);
+  bytes_ = std::move(all);
 }
 
 }  // namespace microbatch::train

@@ -15,6 +15,8 @@
 
 namespace microbatch::train {
 
+class ProcessGroup;
+
 /// What pads the logits of shorter evaluation batches: Hugging Face's padding_index.
 inline constexpr double kLogitsPadding = -100.0;
 
@@ -35,8 +37,8 @@ using ComputeMetrics = std::function<Metrics(const EvalPrediction&)>;
 Metrics classification_metrics(const EvalPrediction& prediction);
 
 /// Evaluation batches gathered row by row as plain host bytes, outside every allocator (Note
-/// [Predictions outside the budget] in train/trainer.cpp), then put together as one tensor padded
-/// as Note [Padding across batches] says.
+/// [Predictions outside the budget] in train/evaluation.cpp), then put together as one tensor
+/// padded as Note [Padding across batches] says.
 class HostRows {
  public:
   /// `what` names the rows in messages ("logits", "labels"); `padding` fills shorter batches.
@@ -45,6 +47,12 @@ class HostRows {
   void add(const Tensor& batch);
   /// The rows so far, (sum B) or (sum B, longest T, ...): allocated on the CPU.
   Tensor tensor() const;
+  /// Whether any row has been added (or gathered).
+  bool has_rows() const { return !parts_.empty(); }
+  /// Every rank's rows, in the whole set's order, given that rank r of `group` holds its rows r,
+  /// r + W, r + 2W, ... of a world of W (DatasetShard's share): a collective, after which every
+  /// rank holds all the rows (Note [Sharded predictions] in train/evaluation.cpp).
+  void gather_shares(ProcessGroup& group);
 
  private:
   struct Part {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -57,8 +58,8 @@ bool hands_back_cache(const TrainingArguments& args, std::int64_t step, std::int
 // run starts a stretch at the window it resumes at. Packed within `token_budget` padded tokens, or
 // `micro` rows to a micro-batch when token_budget is 0. The windows are the Trainer's: the
 // loader's batches of `global` samples (global_window), shuffled with `seed`, of which each of
-// `world` ranks takes its share; every rank's stretches are given, rank after rank (Note [Mixed
-// lengths] and Note [Agreed plans] in train/planner.cpp; Note [Data parallel] in
+// `world` ranks takes its share; every rank's stretches are given, in one pass over the windows
+// (Note [Mixed lengths] and Note [Agreed plans] in train/planner.cpp; Note [Data parallel] in
 // train/distributed.h).
 std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
                                                  const std::vector<std::int64_t>& lengths,
@@ -79,23 +80,35 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
   std::vector<std::vector<PackedShape>> stretches;
   std::set<std::vector<PackedShape>> distinct;
   std::size_t in_all = 0;
-  std::vector<PackedShape> shapes;
-  std::set<PackedShape> seen;
-  auto close_stretch = [&] {
-    if (!shapes.empty() && distinct.insert(shapes).second) {
-      in_all += shapes.size();
-      stretches.push_back(shapes);
-    }
-    shapes.clear();
-    seen.clear();
+  // Each rank's stretch in progress: its distinct shapes, in the order it first meets them.
+  struct Stretch {
+    std::vector<PackedShape> shapes;
+    std::set<PackedShape> seen;
   };
-  for (int rank = 0; rank < world; ++rank) {
-    for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
-      if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretch();
-      if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
-      if (seen.size() == kShapesMeasured) continue;  // this stretch's first shapes are measured
-      const std::vector<std::int64_t> indices =
-          window_share(loader.batch_indices(w % per_epoch), rank, world);
+  std::vector<Stretch> ranks(static_cast<std::size_t>(world));
+  auto close_stretches = [&] {
+    for (Stretch& r : ranks) {
+      if (!r.shapes.empty() && distinct.insert(r.shapes).second) {
+        in_all += r.shapes.size();
+        stretches.push_back(r.shapes);
+      }
+      r.shapes.clear();
+      r.seen.clear();
+    }
+  };
+  // One pass over the windows, each cut into every rank's share.
+  for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
+    if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretches();
+    if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
+    const bool all_measured = std::all_of(ranks.begin(), ranks.end(), [](const Stretch& r) {
+      return r.seen.size() == kShapesMeasured;  // this stretch's first shapes are measured
+    });
+    if (all_measured) continue;
+    const std::vector<std::int64_t> window = loader.batch_indices(w % per_epoch);
+    for (int rank = 0; rank < world; ++rank) {
+      Stretch& r = ranks[static_cast<std::size_t>(rank)];
+      if (r.seen.size() == kShapesMeasured) continue;
+      const std::vector<std::int64_t> indices = window_share(window, rank, world);
       std::vector<std::int64_t> window_lengths;
       for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
       const std::vector<Chunk> chunks = token_budget > 0
@@ -105,12 +118,12 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
         PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
         for (std::int64_t i : chunk)
           shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
-        if (seen.size() == kShapesMeasured || !seen.insert(shape).second) continue;
-        shapes.push_back(shape);
+        if (r.seen.size() == kShapesMeasured || !r.seen.insert(shape).second) continue;
+        r.shapes.push_back(shape);
       }
     }
-    close_stretch();
   }
+  close_stretches();
   return stretches;
 }
 
@@ -273,16 +286,31 @@ MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& a
   return p;
 }
 
+namespace {
+
+// FNV-1a: the same 64 bits for the same text in every process.
+std::int64_t text_hash(const std::string& text) {
+  std::uint64_t h = 14695981039346656037ULL;
+  for (const char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ULL;
+  }
+  return static_cast<std::int64_t>(h);
+}
+
+}  // namespace
+
 // Note [Agreed plans] (train/planner.cpp): every rank makes the same plan from the same arguments
 // and data. Ranks given different ones (a budget, a training set or a seed of their own) would
-// plan, and cut windows, differently, and train on a sum that is no one window's gradient: refused
-// on every rank, naming what differs.
-void check_ranks_agree(ProcessGroup& group, const MemoryPlan& plan, std::int64_t train_examples,
-                       std::int64_t window, std::uint64_t seed) {
+// plan, cut windows and call their collectives differently, and train on a sum that is no one
+// window's gradient: refused on every rank, naming what differs.
+void check_ranks_agree(ProcessGroup& group, const TrainingArguments& args, const MemoryPlan& plan,
+                       const std::string& fingerprint, std::int64_t window) {
   if (group.size() == 1) return;
-  const std::vector<std::int64_t> mine{train_examples,
+  const std::string arguments = args.to_json().dump();
+  const std::vector<std::int64_t> mine{text_hash(arguments),
+                                       text_hash(fingerprint),
                                        window,
-                                       static_cast<std::int64_t>(seed),
                                        plan.micro_batch_size,
                                        plan.gradient_checkpointing ? 1 : 0,
                                        plan.predicted_peak};
@@ -290,18 +318,43 @@ void check_ranks_agree(ProcessGroup& group, const MemoryPlan& plan, std::int64_t
   auto rank_values = [&](int r) {
     return all.begin() + static_cast<std::ptrdiff_t>(r * mine.size());
   };
+  // The arguments first: each rank names the ones that differ from rank 0's.
+  bool same_arguments = true;
+  for (int r = 1; r < group.size(); ++r) same_arguments &= rank_values(r)[0] == all[0];
+  if (!same_arguments) {
+    std::vector<std::byte> first(arguments.size());
+    std::memcpy(first.data(), arguments.data(), arguments.size());
+    group.broadcast(first, 0);
+    const nlohmann::json theirs = nlohmann::json::parse(
+        std::string(reinterpret_cast<const char*>(first.data()), first.size()));
+    const nlohmann::json ours = args.to_json();
+    std::string differ;
+    for (const auto& [key, value] : ours.items()) {
+      if (!theirs.contains(key) || theirs.at(key) != value) {
+        differ += fmt::format("{}{} {} (rank 0: {})", differ.empty() ? "" : ", ", key, value.dump(),
+                              theirs.contains(key) ? theirs.at(key).dump() : "-");
+      }
+    }
+    group.together("comparing its arguments with rank 0's", [&] {
+      MB_CHECK(differ.empty(),
+               "[Trainer] rank {} of {} was given other training arguments than rank 0: {}; give "
+               "every rank the same",
+               group.rank(), group.size(), differ);
+    });
+  }
   auto rank_text = [&](int r) {
     const auto v = rank_values(r);
     return fmt::format(
-        "rank {}: {} training examples, windows of {}, seed {}, micro-batches of "
-        "{}{}, predicted peak {} bytes",
-        r, v[0], v[1], v[2], v[3], v[4] != 0 ? " with checkpointing" : "", v[5]);
+        "rank {}: training labels {:016x}, windows of {}, micro-batches of {}{}, "
+        "predicted peak {} bytes",
+        r, static_cast<std::uint64_t>(v[1]), v[2], v[3], v[4] != 0 ? " with checkpointing" : "",
+        v[5]);
   };
   for (int r = 1; r < group.size(); ++r) {
     // Rank 0's against each other's, the same comparisons on every rank.
     MB_CHECK(std::equal(rank_values(0), rank_values(1), rank_values(r)),
-             "[Trainer] the {} processes of this run differ in their training set, arguments or "
-             "plan ({}; {}): give every rank the same",
+             "[Trainer] the {} processes of this run differ in their training set or plan ({}; "
+             "{}): give every rank the same data",
              group.size(), rank_text(0), rank_text(r));
   }
 }

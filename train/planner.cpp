@@ -212,7 +212,7 @@ MemoryPlanner::MemoryPlanner(ModelFactory make_model, SampleBatchFn sample, Plan
 
 MemoryBreakdown MemoryPlanner::predict(std::int64_t n, bool checkpointing) {
   MB_CHECK(n >= 1, "[planner] a micro-batch needs at least one sample, got {}", n);
-  return measure({}, {n}, checkpointing);
+  return measure({}, {config_.effective_batch, {n}}, checkpointing);
 }
 
 // Note [Uneven windows]: the first micro-batch of a run starts from an empty cache, the next ones
@@ -261,22 +261,25 @@ std::vector<std::int64_t> rank_window_sizes(std::int64_t window, std::int64_t re
 // of the ranks' windows, and packed_shapes holds every rank's stretches. The plan fits each rank,
 // and being a function of the same inputs on each, it is the same plan without any message; the
 // Trainer still compares the ranks' plans, which differ only when their arguments or data do.
-std::vector<std::vector<std::int64_t>> MemoryPlanner::window_sizes(std::int64_t n) const {
-  std::vector<std::vector<std::int64_t>> runs{
-      rank_window_sizes(config_.effective_batch, config_.epoch_remainder, n)};
-  // A run that begins another, or another's beginning: the longer one's peak is the higher.
-  auto begins = [](const std::vector<std::int64_t>& a, const std::vector<std::int64_t>& b) {
-    return a.size() <= b.size() && std::equal(a.begin(), a.end(), b.begin());
+std::vector<MemoryPlanner::WindowRun> MemoryPlanner::window_sizes(std::int64_t n) const {
+  std::vector<WindowRun> runs{
+      {config_.effective_batch,
+       rank_window_sizes(config_.effective_batch, config_.epoch_remainder, n)}};
+  // A run that begins another of the same window, or another's beginning: the longer one's peak is
+  // the higher.
+  auto begins = [](const WindowRun& a, const WindowRun& b) {
+    return a.window == b.window && a.sizes.size() <= b.sizes.size() &&
+           std::equal(a.sizes.begin(), a.sizes.end(), b.sizes.begin());
   };
   for (const RankShare& r : config_.other_ranks) {
-    std::vector<std::int64_t> sizes = rank_window_sizes(r.window, r.epoch_remainder, n);
-    auto it = std::find_if(runs.begin(), runs.end(), [&](const std::vector<std::int64_t>& run) {
-      return begins(sizes, run) || begins(run, sizes);
+    WindowRun run{r.window, rank_window_sizes(r.window, r.epoch_remainder, n)};
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const WindowRun& other) {
+      return begins(run, other) || begins(other, run);
     });
     if (it == runs.end()) {
-      runs.push_back(std::move(sizes));
-    } else if (it->size() < sizes.size()) {
-      *it = std::move(sizes);
+      runs.push_back(std::move(run));
+    } else if (it->sizes.size() < run.sizes.size()) {
+      *it = std::move(run);
     }
   }
   return runs;
@@ -323,8 +326,8 @@ MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing
   MemoryBreakdown highest = window(n, checkpointing);
   if (!config_.packed_shapes) return highest;
   for (const std::vector<PackedShape>& stretch : config_.packed_shapes(n)) {
-    for (const std::vector<std::int64_t>& sizes : window_sizes(n)) {
-      const MemoryBreakdown b = measure(stretch, sizes, checkpointing);
+    for (const WindowRun& run : window_sizes(n)) {
+      const MemoryBreakdown b = measure(stretch, run, checkpointing);
       if (b.total() > highest.total()) highest = b;
     }
   }
@@ -333,16 +336,16 @@ MemoryBreakdown MemoryPlanner::predict_window(std::int64_t n, bool checkpointing
 
 MemoryBreakdown MemoryPlanner::window(std::int64_t n, bool checkpointing) {
   MemoryBreakdown highest;
-  for (const std::vector<std::int64_t>& sizes : window_sizes(n)) {
-    const MemoryBreakdown b = measure({}, sizes, checkpointing);
+  for (const WindowRun& run : window_sizes(n)) {
+    const MemoryBreakdown b = measure({}, run, checkpointing);
     if (highest.total() == 0 || b.total() > highest.total()) highest = b;
   }
   return highest;
 }
 
-MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
-                                       const std::vector<std::int64_t>& sizes, bool checkpointing) {
-  const auto key = std::tuple{shapes, sizes, checkpointing};
+MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes, const WindowRun& run,
+                                       bool checkpointing) {
+  const auto key = std::tuple{shapes, run.window, run.sizes, checkpointing};
   if (auto it = predictions_.find(key); it != predictions_.end()) return it->second;
 
   PredictionScope scope(config_.device);
@@ -376,9 +379,9 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
     // The run's sum, as LossSum holds it once a window has been added: one f64 scalar.
     const Tensor run_loss = gpu ? empty({}, {.dtype = DType::f64, .device = kMeta}) : Tensor();
     // The window's, added to as the Trainer adds to it; a window ends where its rows reach the
-    // effective batch (where a window has more than two micro-batches, the sequence below skips
-    // its middle ones, and the next window's first then runs beside a sum it does not have: 512
-    // bytes over).
+    // run's window, a rank's share (where a window has more than two micro-batches, the sequence
+    // below skips its middle ones, and the next window's first then runs beside a sum it does not
+    // have: 512 bytes over).
     LossSum window_loss(kMeta);
     std::int64_t window_rows = 0;
     reset_peak_memory_stats(kMeta);
@@ -409,11 +412,10 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
       out.loss.backward(seed);
       if (gpu) {  // weighted by the micro-batch's share of the window, as the Trainer weights it
         const std::int64_t rows = batch.size();
-        const double share =
-            static_cast<double>(rows) / static_cast<double>(config_.effective_batch);
+        const double share = static_cast<double>(rows) / static_cast<double>(run.window);
         window_loss.add(out.loss, share);
         window_rows += rows;
-        if (window_rows >= config_.effective_batch) {  // the window ends: the next starts a sum
+        if (window_rows >= run.window) {  // the window ends: the next starts a sum
           window_loss = LossSum(kMeta);
           window_rows = 0;
         }
@@ -429,7 +431,7 @@ MemoryBreakdown MemoryPlanner::measure(const std::vector<PackedShape>& shapes,
       step(batch);
     }
     std::map<std::int64_t, Batch> host;  // one host batch per size: only its shapes matter
-    for (std::int64_t n : sizes) {
+    for (std::int64_t n : run.sizes) {
       if (!host.count(n)) {
         host[n] = sample_(n);
         MB_CHECK(host[n].size() == n,

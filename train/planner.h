@@ -161,13 +161,18 @@ class MemoryPlanner {
   /// doubling strides, then bisecting (Note [Searching for the micro-batch]).
   std::int64_t search_down(std::int64_t miss, std::int64_t floor, std::int64_t walk,
                            bool checkpointing);
-  /// The peak of micro-batches of these shapes and then of these sizes in sequence, on one model
-  /// (memoized).
-  MemoryBreakdown measure(const std::vector<PackedShape>& shapes,
-                          const std::vector<std::int64_t>& sizes, bool checkpointing);
-  /// The micro-batch sizes measured for a window of n (Note [Uneven windows]): a sequence for each
-  /// rank's shares that no other sequence begins with (Note [Agreed plans]).
-  std::vector<std::vector<std::int64_t>> window_sizes(std::int64_t n) const;
+  /// Micro-batch sizes in sequence, from windows of `window` samples (a rank's share).
+  struct WindowRun {
+    std::int64_t window = 0;
+    std::vector<std::int64_t> sizes;
+  };
+  /// The peak of micro-batches of these shapes and then of the run's sizes in sequence, on one
+  /// model (memoized).
+  MemoryBreakdown measure(const std::vector<PackedShape>& shapes, const WindowRun& run,
+                          bool checkpointing);
+  /// The micro-batch sizes measured for a window of n (Note [Uneven windows]): a run for each
+  /// rank's shares, but for one that another of the same window begins with (Note [Agreed plans]).
+  std::vector<WindowRun> window_sizes(std::int64_t n) const;
   MemoryPlan make_plan(std::int64_t n, bool checkpointing);
   [[noreturn]] void throw_too_small(bool checkpointing);
 
@@ -175,8 +180,9 @@ class MemoryPlanner {
   SampleBatchFn sample_;
   PlannerConfig config_;
   std::int64_t usable_ = 0;
-  std::map<std::tuple<std::vector<PackedShape>, std::vector<std::int64_t>, bool>, MemoryBreakdown>
-      predictions_;  // (shapes, sizes, ckpt)
+  std::map<std::tuple<std::vector<PackedShape>, std::int64_t, std::vector<std::int64_t>, bool>,
+           MemoryBreakdown>
+      predictions_;  // (shapes, window, sizes, ckpt)
 };
 
 }  // namespace microbatch::train

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -22,6 +23,7 @@
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
+#include "train/budget_guard.h"
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/loss_sum.h"
@@ -42,8 +44,10 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
       group_(group != nullptr ? group : &ProcessGroup::world()) {
   // Each step of the set-up that may fail on one rank alone fails on every rank (Note [Failing
   // together] in train/distributed.h).
+  Device asked = kCPU;
   group_->together("checking its arguments", [&] {
     args_.validate();
+    asked = args_.training_device();  // refuses a CUDA device this machine lacks
     MB_CHECK(train_set_.size() > 0, "[Trainer] the training set is empty");
     MB_CHECK(eval_set_ != nullptr || args_.eval_strategy == "no",
              "[Trainer] eval_strategy = {} needs an evaluation dataset: pass one, or set "
@@ -51,10 +55,10 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
              args_.eval_strategy);
   });
   // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
-  device_ = prepare_rank(*group_, args_.training_device(),
-                         args_.device.find(':') == std::string::npos ? DeviceIndex::Default
-                                                                     : DeviceIndex::Named,
-                         args_.ddp_backend);
+  device_ = prepare_rank(
+      *group_, asked,
+      args_.device.find(':') == std::string::npos ? DeviceIndex::Default : DeviceIndex::Named,
+      args_.ddp_backend);
   empty_cache(device_);
   baseline_ = memory_stats(device_).reserved.current;
   if (args_.fp16) compute_dtype_ = DType::f16;
@@ -65,12 +69,13 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
     MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
     model_->to(device_);
     plan_ = make_plan();
+    fingerprint_ = label_fingerprint(train_set_);
   });
   // The ranks' loaders must cut the same windows.
   global_batch_ =
       global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
                     train_set_.size(), group_->size());
-  check_ranks_agree(*group_, plan_, train_set_.size(), global_batch_, args_.seed);
+  check_ranks_agree(*group_, args_, plan_, fingerprint_, global_batch_);
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -129,20 +134,6 @@ std::optional<std::string> first_difference(const nlohmann::json& saved, const n
   }
   return std::nullopt;
 }
-
-// Enforces baseline + budget on the training device's allocator in its scope (Note [What the
-// budget covers]).
-struct BudgetGuard {
-  BudgetGuard(Device device, std::int64_t baseline, std::int64_t budget)
-      : device(device), previous(allocator(device).budget()) {
-    // In size_t: both are int64 >= 0, and their sum may pass INT64_MAX (a budget from JSON).
-    if (budget > 0)
-      set_memory_budget(device, static_cast<std::size_t>(baseline) + static_cast<std::size_t>(budget));
-  }
-  ~BudgetGuard() { allocator(device).set_budget(previous); }
-  Device device;
-  std::optional<std::size_t> previous;
-};
 
 // Note [Non-finite losses]: one window whose loss is NaN or inf (an inf input under fp16, say: the
 // loss scaler skips its step) would make the running total NaN for good: every later log line's
@@ -269,24 +260,36 @@ TrainOutput Trainer::train() {
   std::int64_t step = 0, epoch = 0, window = 0, samples = 0, tokens = 0, oom_splits = 0, skipped = 0;
   double loss_sum = 0.0, logged_sum = 0.0;  // the loss total, and what it was at the last log line
   std::int64_t logged_at = 0;               // the step of the last log line
-  std::string fingerprint;                  // Note [Resuming the same run]
+  const std::string& fingerprint = fingerprint_;  // Note [Resuming the same run]
   bool token_labels = false;                // the training set's labels are token sequences
   const nlohmann::json architecture = model_->architecture();
   // Every rank reads its training labels and resumes, or every rank stops (Note [Failing
   // together] in train/distributed.h).
+  // "latest" is rank 0's newest usable checkpoint, which every rank then loads: a rank whose view
+  // of a shared folder lags would otherwise resume from another step.
+  std::optional<ResumePoint> point;
+  std::vector<std::byte> latest;  // its path
+  if (resuming && args_.resume_from_checkpoint == "latest") {
+    group_->together("finding the latest checkpoint", [&] {
+      if (!main) return;
+      point = load_latest_checkpoint(args_.output_dir);
+      MB_CHECK(point.has_value(),
+               "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
+               args_.output_dir);
+      latest.resize(point->path.size());
+      std::memcpy(latest.data(), point->path.data(), point->path.size());
+    });
+    group_->broadcast(latest, 0);
+  }
   group_->together("resuming from its checkpoint", [&] {
-    fingerprint = label_fingerprint(train_set_);
     token_labels = train_set_.get(0).label.dim() > 0;
     if (resuming) {
-      std::optional<ResumePoint> point;
-      if (args_.resume_from_checkpoint == "latest") {
-        point = load_latest_checkpoint(args_.output_dir);
-        MB_CHECK(point.has_value(),
-                 "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
-                 args_.output_dir);
-      } else {
-        point = ResumePoint{
-            args_.resume_from_checkpoint, load_checkpoint(args_.resume_from_checkpoint), {}};
+      if (!point) {
+        const std::string path =
+            latest.empty()
+                ? args_.resume_from_checkpoint
+                : std::string(reinterpret_cast<const char*>(latest.data()), latest.size());
+        point = ResumePoint{path, load_checkpoint(path), {}};
       }
       const nlohmann::json& st = point->data.trainer_state;
       // The state passed its CRC, but a CRC says nothing of what wrote it: every field is checked
@@ -466,6 +469,7 @@ TrainOutput Trainer::train() {
       }
     }
   });
+  point.reset();  // the checkpoint's tensors are in the arenas now: free them
   if (group_->size() > 1) {
     // Every rank starts from rank 0's weights (the same seed made the same ones; this makes sure).
     Tensor master = store.master();
@@ -576,9 +580,12 @@ TrainOutput Trainer::train() {
   std::optional<optim::StepOutcome> floor_stop;  // the window in progress, to stop once counted
   auto stop_at_floor = [&](const optim::StepOutcome& o) {
     const std::string path = save(window_rng);
-    MB_CHECK(false,
-             "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
-             o.floor_error, o.first_non_finite, path);
+    // Every rank stops here alike; shared, the command says so once (Note [Failing together]).
+    group_->together("stopping at the loss-scale floor", [&] {
+      MB_CHECK(false,
+               "[Trainer] {} (first non-finite gradient: {}); the last good state is saved in {}",
+               o.floor_error, o.first_non_finite, path);
+    });
   };
   take_outcome = [&](const optim::StepOutcome& o) {
     if (!o.skipped) return;
@@ -749,6 +756,7 @@ TrainOutput Trainer::train() {
           }
         }
       }
+      if (group_->size() > 1) window_loss.ready_to_reduce();  // allocated here, not between sums
     });
 
     if (group_->size() > 1) {
@@ -845,7 +853,7 @@ TrainOutput Trainer::train() {
     }
     if (eval_set_ && args_.evaluates_after(step)) last_eval = evaluate_now();
     if (args_.saves_after(step)) save();
-    if (on_step_) on_step_(step);
+    if (on_step_) group_->together("in its step callback", [&] { on_step_(step); });
   }
   for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // none pending after a logged last step
   if (step > first_step) {
@@ -875,117 +883,6 @@ TrainOutput Trainer::train() {
   result.oom_splits = oom_splits;
   result.skipped_steps = skipped;
   return result;
-}
-
-// ---- evaluation --------------------------------------------------------------------------------
-
-namespace {
-
-// Note [Predictions outside the budget]: compute_metrics and predict() take the whole set's logits
-// and labels on the host, where Hugging Face's Trainer gathers them too. On a GPU that is host
-// memory, outside the device's budget (Note [What the budget covers]). On the CPU the host is the
-// training device: held as tensors, the batches' logits and labels would take room that the
-// planned micro-batch needs (the 10,000 Fashion-MNIST test images' come to 0.5 MB, and their cat
-// as much again), and a run whose training fits would fail at its first evaluation. So each
-// batch's share is kept as plain bytes outside the allocator, and the tensors are put together
-// with the CPU's budget lifted once the last batch has run (BudgetLift); their blocks go back to
-// the cache, which evaluation empties. Batches of different lengths are padded as they are put
-// together (Note [Padding across batches] in train/metrics.cpp).
-
-// Lifts the CPU allocator's budget in its scope.
-struct BudgetLift {
-  BudgetLift() : previous(allocator(kCPU).budget()) { allocator(kCPU).set_budget(std::nullopt); }
-  ~BudgetLift() { allocator(kCPU).set_budget(previous); }
-  std::optional<std::size_t> previous;
-};
-
-}  // namespace
-
-Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
-  NoGradGuard no_grad;
-  const bool was_training = model_->is_training();
-  model_->eval();
-  const bool collect = keep != nullptr || static_cast<bool>(compute_metrics_);
-  // In a data-parallel run each rank evaluates its share and the losses are summed; predictions,
-  // which compute_metrics and predict() take whole, are made for the whole set on every rank.
-  const bool shard = group_->size() > 1 && !collect;
-  const DatasetShard share(data, group_->rank(), group_->size());
-  const Dataset& source = shard ? share : data;
-  bool token_labels = false;
-  const std::int64_t ignore_index = model_->ignore_index();
-  double loss_sum = 0.0;
-  std::int64_t items = 0;
-  // Note [Predictions outside the budget]; Note [Padding across batches].
-  std::optional<HostRows> logits, labels;
-  bool any = false;
-  // Every rank evaluates its share, or every rank stops (Note [Failing together]).
-  group_->together("evaluating", [&] {
-    token_labels = data.size() > 0 && data.get(0).label.dim() > 0;
-    for (;;) {
-      try {
-        DataLoader loader(source, {.batch_size = eval_batch_size_,
-                                   .prefetch = 0,
-                                   .collate = {.ignore_index = ignore_index}});
-        loss_sum = 0.0;
-        items = 0;
-        logits.emplace("logits", kLogitsPadding);
-        labels.emplace("labels", static_cast<double>(ignore_index));
-        any = false;
-        while (auto host_batch = loader.next()) {
-          const Batch batch = host_batch->to(device_);
-          nn::ModelOutput o = model_->forward(model_inputs(batch.inputs), batch.labels);
-          // A batch with no loss-bearing label has a NaN mean loss and no weight in the mean.
-          if (batch.num_items > 0) loss_sum += o.loss.item() * static_cast<double>(batch.num_items);
-          items += batch.num_items;
-          if (collect) {
-            logits->add(o.logits);
-            labels->add(host_batch->labels);
-            any = true;
-          }
-        }
-        return;
-      } catch (const OutOfMemoryError&) {
-        // Evaluation shrinks its own batch; the training plan is never touched.
-        MB_CHECK(eval_batch_size_ > 1,
-                 "[Trainer] one evaluation sample does not fit in the memory budget");
-        eval_batch_size_ /= 2;
-      }
-    }
-  });
-  model_->train(was_training);
-  eval_peak_ = memory_stats(device_).reserved.peak;
-  if (shard) {
-    loss_sum = group_->all_reduce_sum(loss_sum);
-    items = group_->all_reduce_sum(items);
-  }
-  Metrics m;
-  m["eval_loss"] = items > 0 ? loss_sum / static_cast<double>(items) : 0.0;
-  if (token_labels) m["eval_perplexity"] = std::exp(m["eval_loss"]);
-  if (collect && any) {
-    BudgetLift lift;
-    EvalPrediction p{logits->tensor(), labels->tensor(), ignore_index};
-    if (compute_metrics_)
-      for (auto& [k, v] : compute_metrics_(p)) m["eval_" + k] = v;
-    if (keep) {
-      keep->predictions = p.logits;
-      keep->label_ids = p.labels;
-    }
-  }
-  return m;
-}
-
-Metrics Trainer::evaluate() {
-  MB_CHECK(eval_set_ != nullptr, "[Trainer] evaluate() needs an eval_dataset");
-  BudgetGuard budget(device_, baseline_, args_.memory_budget);
-  return run_evaluation(*eval_set_, nullptr);
-}
-
-PredictionOutput Trainer::predict(const Dataset& data) {
-  BudgetGuard budget(device_, baseline_, args_.memory_budget);
-  PredictionOutput out;
-  Metrics m = run_evaluation(data, &out);
-  for (auto& [k, v] : m) out.metrics["test_" + k.substr(5)] = v;
-  return out;
 }
 
 }  // namespace microbatch::train

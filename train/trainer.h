@@ -61,11 +61,11 @@ std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, in
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
                          const Dataset& train_set, Device device, int world = 1);
 
-/// Refuses, on every rank of `group`, a data-parallel run whose ranks differ in the number of
-/// their training examples, their window, their seed or their plan (a collective; nothing in a
-/// world of one).
-void check_ranks_agree(ProcessGroup& group, const MemoryPlan& plan, std::int64_t train_examples,
-                       std::int64_t window, std::uint64_t seed);
+/// Refuses, on every rank of `group`, a data-parallel run whose ranks differ in their arguments,
+/// their training labels (`fingerprint`, label_fingerprint()), their window or their plan, naming
+/// what differs (a collective; nothing in a world of one).
+void check_ranks_agree(ProcessGroup& group, const TrainingArguments& args, const MemoryPlan& plan,
+                       const std::string& fingerprint, std::int64_t window);
 
 struct TrainOutput {
   std::int64_t global_step = 0;
@@ -87,15 +87,21 @@ using StepCallback = std::function<void(std::int64_t step)>;
 class Trainer {
  public:
   /// group: the processes that train together (Note [Data parallel] in train/distributed.h);
-  /// nullptr is ProcessGroup::world(), those the launcher started.
+  /// nullptr is ProcessGroup::world(), those the launcher started. In a world of more than one the
+  /// constructor, train(), evaluate() and predict() are collectives: every rank calls them, in the
+  /// same order, and an error on one rank is thrown on every rank (Note [Failing together]).
+  /// model_init runs inside one of them and must call no collective of its own.
   Trainer(ModelInit model_init, TrainingArguments args, const Dataset& train_set,
           const Dataset* eval_set = nullptr, ComputeMetrics compute_metrics = {},
           ProcessGroup* group = nullptr);
   ~Trainer();
 
   TrainOutput train();
-  /// eval_loss (and eval_perplexity, and compute_metrics' values with an eval_ prefix).
+  /// eval_loss (and eval_perplexity, and compute_metrics' values with an eval_ prefix). In a
+  /// data-parallel run each rank evaluates its share; compute_metrics sees the whole set's
+  /// predictions, gathered on every rank (Note [Sharded predictions] in train/evaluation.cpp).
   Metrics evaluate();
+  /// The whole set's predictions and labels (every rank's, in the set's order), and test_ metrics.
   PredictionOutput predict(const Dataset& data);
 
   nn::Model& model() { return *model_; }
@@ -122,11 +128,12 @@ class Trainer {
   ComputeMetrics compute_metrics_;
   std::unique_ptr<nn::Model> model_;
   MemoryPlan plan_;
+  std::string fingerprint_;  // label_fingerprint(train_set_) (Note [Resuming the same run])
   StepCallback on_step_;
   std::ostream* log_stream_;
   std::int64_t eval_batch_size_;
   // The device's reserved peak over the last evaluation's batches, before its predictions were
-  // put together outside the budget (Note [Predictions outside the budget] in trainer.cpp).
+  // put together outside the budget (Note [Predictions outside the budget] in evaluation.cpp).
   std::int64_t eval_peak_ = 0;
   Device device_ = kCPU;  // args.training_device(); a rank's own GPU in a data-parallel run
   ProcessGroup* group_;   // the processes of a data-parallel run (Note [Data parallel])

@@ -349,6 +349,53 @@ TEST_CASE("data parallel: evaluation sums the ranks' shares; metrics see the who
   const Metrics m = with_metrics.evaluate(), reference = alone_metrics.evaluate();
   CHECK(m.at("eval_accuracy") == reference.at("eval_accuracy"));
   CHECK(std::abs(m.at("eval_loss") - reference.at("eval_loss")) < 1e-6);
+  // Each rank predicts its share; the rows gathered are the whole set's, in its order (Note
+  // [Sharded predictions]), and each example is predicted once: 37 rows, as one process's.
+  const PredictionOutput gathered = with_metrics.predict(eval), one = alone_metrics.predict(eval);
+  REQUIRE(gathered.predictions.shape() == one.predictions.shape());
+  CHECK(gathered.predictions.size(0) == 37);
+  check_close(gathered.predictions, one.predictions, 1e-6, 1e-6);
+  check_close(gathered.label_ids, one.label_ids, 0, 0);
+}
+
+TEST_CASE("data parallel: predictions of sequences of different lengths gather in order") {
+  // 11 sequences of 2 to 12 tokens, 6 on rank 0 and 5 on rank 1, each rank's batches padded to
+  // their own longest: gathered, they are padded to the set's longest, as one process pads them.
+  // Past a row's own tokens its logits are the padding's (the model's outputs on padded tokens,
+  // or -100 where its batch was shorter), which depend on the batch it was in: the labels there
+  // are ignore_index, and the logits are compared where the labels are not.
+  std::vector<std::int64_t> lengths{5, 2, 12, 7, 3, 9, 4, 11, 6, 8, 10};
+  Sequences data(lengths, 13);
+  SharedDir dir;
+  auto predict_with = [&](ProcessGroup* group, const std::string& name) {
+    TrainingArguments args = small_run(dir.path / name);
+    args.per_device_train_batch_size = 2;
+    args.per_device_eval_batch_size = 3;
+    Trainer trainer(f64_gpt(13), args, data, nullptr, {}, group);
+    return trainer.predict(data);
+  };
+  const PredictionOutput gathered = predict_with(nullptr, "parallel");
+  const PredictionOutput one =
+      predict_with(&ProcessGroup::solo(), fmt::format("alone-{}", world().rank()));
+  REQUIRE(gathered.predictions.shape() == one.predictions.shape());
+  CHECK(gathered.predictions.size(1) == 12);
+  check_close(gathered.label_ids, one.label_ids, 0, 0);
+  const Tensor labels = one.label_ids.contiguous(), a = gathered.predictions.contiguous(),
+               b = one.predictions.contiguous();
+  const std::int64_t vocab = a.size(2);
+  double worst = 0.0;
+  std::int64_t compared = 0;
+  for (std::int64_t i = 0; i < labels.numel(); ++i) {
+    if (labels.data<std::int64_t>()[i] == -100) continue;
+    for (std::int64_t v = 0; v < vocab; ++v) {
+      worst = std::max(worst,
+                       std::abs(a.data<double>()[i * vocab + v] - b.data<double>()[i * vocab + v]));
+    }
+    ++compared;
+  }
+  CHECK(compared == 77);  // 2 + 3 + ... + 12 tokens
+  CHECK(worst < 1e-12);
+  CHECK(std::abs(gathered.metrics.at("test_loss") - one.metrics.at("test_loss")) < 1e-12);
 }
 
 TEST_CASE("data parallel: a checkpoint of two ranks resumes in one process") {
@@ -440,10 +487,15 @@ class FailingOnRank : public Dataset {
   FailingOnRank(const Dataset& base, int rank) : base_(base), rank_(rank) {}
   std::int64_t size() const override { return base_.size(); }
   Example get(std::int64_t index) const override {
-    MB_CHECK(!armed || world().rank() != rank_, "example {} is corrupt", index);
+    if (armed && world().rank() == rank_) {
+      if (out_of_memory)
+        throw OutOfMemoryError(fmt::format("example {} is too large", index), 12345);
+      MB_CHECK(false, "example {} is corrupt", index);
+    }
     return base_.get(index);
   }
   bool armed = false;
+  bool out_of_memory = false;  // fail with an OutOfMemoryError
 
  private:
   const Dataset& base_;
@@ -469,6 +521,40 @@ TEST_CASE("data parallel: an error on one rank stops every rank with its message
             ? std::string("is corrupt")
             : fmt::format("rank {} of 2 failed while training step 3: example ", failing);
     check_throws_with([&] { trainer.train(); }, expected);
+  }
+  // Every rank throws one kind, a SharedFailure that names the failing rank: an OutOfMemoryError
+  // when that rank ran out of memory, so that a program retrying on one retries on every rank.
+  FailingOnRank data(base, 1);
+  data.out_of_memory = true;
+  TrainingArguments args = small_run(dir.path / "out-of-memory");
+  args.per_device_train_batch_size = 4;
+  std::ostringstream sink;
+  Trainer trainer(small_mlp(), args, data, nullptr, {}, nullptr);
+  trainer.set_log_stream(&sink);
+  trainer.set_step_callback([&](std::int64_t step) { data.armed = step == 1; });
+  try {
+    trainer.train();
+    FAIL("no error");
+  } catch (const SharedOutOfMemoryError& e) {
+    CHECK(e.failed_rank() == 1);
+    CHECK(e.requested() == 12345);
+    CHECK(std::string(e.what()).find(world().rank() == 1 ? "example" : "rank 1 of 2 failed") !=
+          std::string::npos);
+  }
+  // A step callback that throws on rank 0 alone.
+  TrainingArguments callback_args = small_run(dir.path / "callback");
+  callback_args.per_device_train_batch_size = 4;
+  Trainer with_callback(small_mlp(), callback_args, base, nullptr, {}, nullptr);
+  with_callback.set_log_stream(&sink);
+  with_callback.set_step_callback([&](std::int64_t step) {
+    MB_CHECK(!(step == 2 && world().is_main()), "the callback stops at step {}", step);
+  });
+  try {
+    with_callback.train();
+    FAIL("no error");
+  } catch (const SharedError& e) {
+    CHECK(e.failed_rank() == 0);
+    CHECK(std::string(e.what()).find("the callback stops at step 2") != std::string::npos);
   }
   // The world is still whole: the ranks go on summing together.
   CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
@@ -517,31 +603,48 @@ TEST_CASE(
 
 TEST_CASE("data parallel: ranks given different data, arguments or backends are refused on each") {
   TensorDataset data = synthetic_images(32, 19), fewer = synthetic_images(30, 19);
+  TensorDataset relabelled = synthetic_images(32, 19);
+  {
+    NoGradGuard no_grad;  // one label changed: the same number of examples, other data
+    relabelled.get(3).label.fill_(relabelled.get(3).label.item() < 5 ? 7.0 : 1.0);
+  }
   SharedDir dir;
   TrainingArguments args = small_run(dir.path / "parallel");
   args.per_device_train_batch_size = 4;
-  const Dataset& mine = world().is_main() ? static_cast<const Dataset&>(data) : fewer;
-  check_throws_with([&] { Trainer trainer(small_mlp(), args, mine, nullptr, {}, nullptr); },
-                    "rank 0: 32 training examples, windows of 16, seed 42, micro-batches of 4, "
-                    "predicted peak 0 bytes; rank 1: 30 training examples");
-  // A budget on one rank only: the ranks would plan differently.
-  TrainingArguments budgeted = args;
+  for (const Dataset* other :
+       {static_cast<const Dataset*>(&fewer), static_cast<const Dataset*>(&relabelled)}) {
+    const Dataset& mine = world().is_main() ? static_cast<const Dataset&>(data) : *other;
+    check_throws_with([&] { Trainer trainer(small_mlp(), args, mine, nullptr, {}, nullptr); },
+                      "differ in their training set or plan (rank 0: training labels ");
+  }
+  // Arguments of one rank's own, named: a budget (the ranks would plan differently), and how often
+  // to log (their collectives would go out of step).
+  TrainingArguments budgeted = args, logging = args;
   if (!world().is_main()) {
     budgeted.memory_budget = 64 << 20;
-    budgeted.per_device_train_batch_size = kAutoBatch;
-    budgeted.gradient_accumulation_steps = 1;
-    budgeted.train_batch_size = 16;
+    logging.logging_steps = 3;
   }
   check_throws_with([&] { Trainer trainer(small_mlp(), budgeted, data, nullptr, {}, nullptr); },
-                    "differ in their training set, arguments or plan");
+                    world().is_main() ? "rank 1 of 2 failed while comparing its arguments with "
+                                        "rank 0's: [Trainer] rank 1 of 2 was given other training "
+                                        "arguments than rank 0: memory_budget"
+                                      : "other training arguments than rank 0: memory_budget");
+  check_throws_with([&] { Trainer trainer(small_mlp(), logging, data, nullptr, {}, nullptr); },
+                    "other training arguments than rank 0: logging_steps 3 (rank 0: 1)");
+  // A CUDA device on rank 1 alone, which this machine lacks (or whose one GPU is rank 0's):
+  // refused on both ranks.
+  TrainingArguments device = args;
+  if (!world().is_main()) {
+    device.device = "cuda";
+    device.use_cpu = false;
+  }
+  check_throws_with([&] { Trainer trainer(small_mlp(), device, data, nullptr, {}, nullptr); },
+                    world().is_main() ? "rank 1 of 2 failed while" : "device");
   // ddp_backend = nccl on the CPU, on rank 1 alone: refused before any rank waits in NCCL.
   TrainingArguments backend = args;
   if (!world().is_main()) backend.ddp_backend = "nccl";
-  check_throws_with(
-      [&] { Trainer trainer(small_mlp(), backend, data, nullptr, {}, nullptr); },
-      world().is_main()
-          ? "rank 1 of 2 failed while readying its ddp_backend: [distributed] ddp_backend = nccl"
-          : "ddp_backend = nccl sums CUDA device memory");
+  check_throws_with([&] { Trainer trainer(small_mlp(), backend, data, nullptr, {}, nullptr); },
+                    "rank 1 trains on cpu with ddp_backend nccl, rank 0 on cpu with mpi");
   CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
 }
 

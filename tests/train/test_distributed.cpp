@@ -230,6 +230,40 @@ TEST_CASE("distributed: the ranks' plan fits the rank whose windows need the mos
   CHECK(agreed.predicted_peak <= args.memory_budget);
 }
 
+TEST_CASE("distributed: the ranks' plan fits a rank other than rank 0 that needs more") {
+  // 7 examples over 2 processes, a window of all 7: rank 0 takes 4 and rank 1 takes 3. In
+  // micro-batches of 2, rank 0's window is 2 + 2 and rank 1's is 2 + 1, whose last micro-batch
+  // takes cache blocks of its own: rank 1 needs more, though its share is the smaller.
+  TensorDataset rank0_alone = synthetic_images(4, 6), rank1_alone = synthetic_images(3, 6);
+  TensorDataset both = synthetic_images(7, 6);
+  TrainingArguments fixed{
+      .per_device_train_batch_size = 2, .memory_budget = std::int64_t{1} << 30, .use_cpu = true};
+  fixed.train_batch_size = 4;
+  const std::int64_t peak0 = plan_training(small_mlp(), fixed, rank0_alone, kCPU).predicted_peak;
+  fixed.train_batch_size = 3;
+  const std::int64_t peak1 = plan_training(small_mlp(), fixed, rank1_alone, kCPU).predicted_peak;
+  INFO("windows in micro-batches of 2: rank 0's peak " << peak0 << ", rank 1's " << peak1);
+  REQUIRE(peak1 > peak0);
+  // The least budget that holds rank 0's windows of 2 and not rank 1's.
+  TrainingArguments args{
+      .per_device_train_batch_size = kAutoBatch,
+      .train_batch_size = 4,
+      .memory_budget = static_cast<std::int64_t>(std::ceil(static_cast<double>(peak0) / 0.95)),
+      .use_cpu = true};
+  const MemoryPlan alone0 = plan_training(small_mlp(), args, rank0_alone, kCPU);
+  REQUIRE(alone0.micro_batch_size == 2);
+  REQUIRE_FALSE(alone0.gradient_checkpointing);
+  REQUIRE(peak1 > static_cast<std::int64_t>(static_cast<double>(args.memory_budget) * 0.95));
+  args.train_batch_size = 8;
+  const MemoryPlan agreed = plan_training(small_mlp(), rank_arguments(args, 2), both, kCPU, 2);
+  INFO("agreed: " << agreed.micro_batch_size
+                  << (agreed.gradient_checkpointing ? " with" : " without")
+                  << " checkpointing, peak " << agreed.predicted_peak);
+  CHECK(agreed.effective_batch == 4);
+  CHECK((agreed.micro_batch_size < 2 || agreed.gradient_checkpointing));
+  CHECK(agreed.predicted_peak <= args.memory_budget);
+}
+
 TEST_CASE("distributed: each rank's arguments hold its share of the effective batch") {
   TrainingArguments args{.per_device_train_batch_size = 4, .gradient_accumulation_steps = 2};
   // Hugging Face's count: per device x accumulation steps on each rank, that x world in all.
