@@ -501,7 +501,7 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message
     // and an exit status, never an abort.
-    if (dynamic_cast<const mb::train::SharedFailure*>(&e) != nullptr) {
+    if (mb::train::ProcessGroup::shared(std::current_exception())) {
       // Every rank of a data-parallel run has this error (Note [Failing together] in
       // train/distributed.h): rank 0 says it, and each rank ends on its own.
       if (mb::train::launch_info().rank == 0) std::cerr << "error: " << e.what() << "\n";

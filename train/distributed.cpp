@@ -351,6 +351,9 @@ std::int64_t ProcessGroup::all_reduce_max(std::int64_t value) {
 
 namespace {
 
+// The last exception every rank threw together (ProcessGroup::shared).
+std::exception_ptr g_last_shared;
+
 // An exception's message, whatever it is.
 std::string message_of(const std::exception_ptr& error) {
   try {
@@ -373,6 +376,12 @@ void ProcessGroup::settle(std::exception_ptr mine, const std::string& doing) {
            "[distributed] the ranks' collectives are out of step (rank {} of {} got {} while {}): "
            "were they given different arguments?",
            rank_, size_, lowest, doing);
+  if (all_reduce_sum(std::int64_t{mine ? 1 : 0}) == size_) {
+    // Every rank failed at the same point (a refusal every rank makes alike, a callback's own
+    // stop): each throws its own exception, of its own type, as one process would.
+    g_last_shared = mine;
+    std::rethrow_exception(mine);
+  }
   const int root = size_ - static_cast<int>(lowest);
   std::string message = root == rank_ ? message_of(mine) : std::string();
   // What the failing rank threw: 0 for an error, else an out-of-memory error's request + 1.
@@ -399,6 +408,18 @@ void ProcessGroup::settle(std::exception_ptr mine, const std::string& doing) {
   if (out_of_memory[0] > 0)
     throw SharedOutOfMemoryError(message, static_cast<std::size_t>(out_of_memory[0] - 1), root);
   throw SharedError(message, root);
+}
+
+bool ProcessGroup::shared(const std::exception_ptr& error) {
+  if (!error) return false;
+  if (error == g_last_shared) return true;
+  try {
+    std::rethrow_exception(error);
+  } catch (const SharedFailure&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
 }
 
 std::vector<std::int64_t> ProcessGroup::all_gather(const std::vector<std::int64_t>& mine) {
@@ -500,19 +521,22 @@ Device prepare_rank(ProcessGroup& group, Device device, DeviceIndex index,
     backend = parse_ddp_backend(ddp_backend, group, device);
   });
   // Ranks that chose differently (one whose GPU is not there trains on the CPU under "auto") would
-  // sum with different backends: refused on every rank alike.
+  // sum with different backends: refused on every rank alike, and so shared.
   const std::vector<std::int64_t> all = group.all_gather(
       {static_cast<std::int64_t>(backend), static_cast<std::int64_t>(device.type)});
-  for (int r = 1; r < group.size(); ++r) {
-    const std::size_t at = static_cast<std::size_t>(r) * 2;
-    MB_CHECK(all[at] == all[0] && all[at + 1] == all[1],
-             "[distributed] rank {} trains on {} with ddp_backend {}, rank 0 on {} with {}: every "
-             "rank must train on the same kind of device, with the same backend",
-             r, Device{static_cast<DeviceType>(all[at + 1]), 0}.str(),
-             ddp_backend_name(static_cast<DdpBackend>(all[at])),
-             Device{static_cast<DeviceType>(all[1]), 0}.str(),
-             ddp_backend_name(static_cast<DdpBackend>(all[0])));
-  }
+  auto kind = [](std::int64_t type) {
+    return static_cast<DeviceType>(type) == DeviceType::cuda ? "a CUDA device" : "the CPU";
+  };
+  group.together("comparing its device and backend with rank 0's", [&] {
+    for (int r = 1; r < group.size(); ++r) {
+      const std::size_t at = static_cast<std::size_t>(r) * 2;
+      MB_CHECK(all[at] == all[0] && all[at + 1] == all[1],
+               "[distributed] rank {} trains on {} with ddp_backend {}, rank 0 on {} with {}: "
+               "every rank must train on the same kind of device, with the same backend",
+               r, kind(all[at + 1]), ddp_backend_name(static_cast<DdpBackend>(all[at])),
+               kind(all[1]), ddp_backend_name(static_cast<DdpBackend>(all[0])));
+    }
+  });
   group.use(backend, device);
   return device;
 }

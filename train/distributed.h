@@ -29,19 +29,22 @@
 // ever: a launcher ends them only when a process exits, and a program that catches the error and
 // goes on does not exit. So the Trainer runs each stretch of its work between two collectives
 // inside ProcessGroup::together(): afterwards every rank learns, in one all-reduce of a number,
-// whether any rank failed. If one did, the lowest failing rank's message goes to every rank; each
-// failing rank rethrows its own error, and every other rank throws an Error that names the failing
-// rank and carries its message, both as a SharedFailure of one kind (SharedOutOfMemoryError when
-// the failing rank ran out of memory, so that a program that retries on OutOfMemoryError retries on
-// every rank). Every rank leaves at the same point with an exception, and the world stays whole
-// (no MPI_Abort): the command prints the message once, from rank 0, and every rank exits with
-// status 2. What together() does not cover still ends the command's run on every rank, with
-// MPI_Abort, the launcher stopping the other ranks; in a program of one's own it leaves them
-// waiting. In the Trainer that is: allocating the arenas, the optimizer's state and the loss sums
-// when train() starts (the same sizes on every rank, under the same budget), the boundary step and
-// its log line (where an asynchronous CUDA error surfaces), and collectives out of step because
-// ranks were given different arguments that the Trainer does not compare (it compares all of
-// TrainingArguments and the training labels' fingerprint).
+// whether any rank failed. When every rank failed (a refusal each makes alike, a step callback's
+// own stop), each rethrows its own exception, of its own type, as one process would. When some
+// did, every rank throws a SharedFailure of one kind: SharedOutOfMemoryError (an
+// OutOfMemoryError) when the lowest failing rank threw an OutOfMemoryError, so that a program that
+// retries on it retries on every rank, else SharedError. The lowest failing rank's carries its own
+// message; every other rank's names that rank and carries its message. Every rank leaves at the
+// same point with an exception, and the world stays whole (no MPI_Abort): the command prints the
+// message once, from rank 0, and every rank exits with status 2. What together() does not cover
+// still ends the command's run on every rank, with MPI_Abort after the message, the launcher
+// stopping the other ranks; in a program of one's own it leaves them waiting. In the Trainer that
+// is: allocating the arenas and the optimizer's state when train() starts (before its budget is
+// set: a device that another process fills), the boundary step, the running loss sum and the log
+// line (where an asynchronous CUDA error surfaces), and ncclCommInitRank; in the Accelerator, a
+// batch's copy to the device. Arguments and inputs that would lead the ranks' collectives apart
+// are compared before they can (check_arguments_agree, check_ranks_agree in train/trainer.h).
+
 #pragma once
 
 #include <cstddef>
@@ -152,6 +155,9 @@ class ProcessGroup {
     }
     settle(failure, doing);
   }
+  /// Whether `error` is one every rank threw together, through together(): a SharedFailure, or the
+  /// rank's own error when every rank failed at once. The command then ends each rank on its own.
+  static bool shared(const std::exception_ptr& error);
   /// After an error on this rank: ends every rank of a world of more than one (MPI_Abort), which
   /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
   /// or before the world was made.
@@ -171,8 +177,8 @@ class ProcessGroup {
   /// The NCCL communicator (an ncclComm_t) for a tensor on a CUDA device, made current; refused
   /// without one on that device.
   void* device_comm(const Tensor& t, const char* doing);
-  /// together()'s collective: throws a SharedFailure on every rank when `mine` (this rank's
-  /// error, or null) is set on any.
+  /// together()'s collective: when `mine` (this rank's error, or null) is set on every rank, each
+  /// rethrows its own; when on some, every rank throws a SharedFailure.
   void settle(std::exception_ptr mine, const std::string& doing);
   struct Nccl;
   int size_ = 1;

@@ -103,8 +103,8 @@ Metrics Trainer::run_evaluation(const Dataset& data, PredictionOutput* keep) {
     loss_sum = group_->all_reduce_sum(loss_sum);
     items = group_->all_reduce_sum(items);
     if (collect) {
-      logits->gather_shares(*group_);
-      labels->gather_shares(*group_);
+      logits->gather_shares(*group_, data.size());
+      labels->gather_shares(*group_, data.size());
       any = logits->has_rows();
     }
   }

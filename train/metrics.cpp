@@ -141,7 +141,7 @@ std::vector<std::int64_t> bytes_words(const std::vector<std::byte>& bytes) {
 
 }  // namespace
 
-void HostRows::gather_shares(ProcessGroup& group) {
+void HostRows::gather_shares(ProcessGroup& group, std::int64_t examples) {
   const int world = group.size();
   if (world == 1) return;
   // Each rank in turn sends its header, [rows, dtype, dims, shape..., each row's length...], and
@@ -161,6 +161,7 @@ void HostRows::gather_shares(ProcessGroup& group) {
   std::vector<std::vector<std::byte>> bytes(static_cast<std::size_t>(world));
   std::optional<std::pair<DType, Shape>> kind;  // the first rank's with rows
   std::int64_t total = 0;
+  std::string refused;  // why the rows cannot be put together, the first reason found
   for (int r = 0; r < world; ++r) {
     const bool me = r == group.rank();
     std::vector<std::byte> header = me ? words_bytes(mine) : std::vector<std::byte>();
@@ -176,25 +177,32 @@ void HostRows::gather_shares(ProcessGroup& group) {
         static_cast<DType>(words.at(1)),
         Shape(words.begin() + 3, words.begin() + 3 + static_cast<std::ptrdiff_t>(dims))};
     if (!kind) kind = rank_kind;
-    // The same check on every rank, of the same headers: every rank refuses alike.
     const bool same =
         rank_kind.first == kind->first && rank_kind.second.size() == kind->second.size() &&
         std::equal(kind->second.begin() + std::min<std::ptrdiff_t>(2, dims), kind->second.end(),
                    rank_kind.second.begin() + std::min<std::ptrdiff_t>(2, dims));
-    MB_CHECK(same,
-             "[evaluate] rank {}'s {} are {} {}, another rank's {} {}: the ranks' models differ", r,
-             what_, dtype_name(rank_kind.first), shape_str(rank_kind.second),
-             dtype_name(kind->first), shape_str(kind->second));
+    if (!same && refused.empty()) {
+      refused = fmt::format(
+          "[evaluate] rank {}'s {} are {} {}, another rank's {} {}: the ranks' models differ", r,
+          what_, dtype_name(rank_kind.first), shape_str(rank_kind.second), dtype_name(kind->first),
+          shape_str(kind->second));
+    }
     lengths[static_cast<std::size_t>(r)].assign(
         words.begin() + 3 + static_cast<std::ptrdiff_t>(dims), words.end());
     total += rows;
   }
-  for (int r = 0; r < world; ++r) {
-    MB_CHECK(static_cast<std::int64_t>(lengths[static_cast<std::size_t>(r)].size()) ==
-                 share_size(total, r, world),
-             "[evaluate] rank {} has {} rows of {}, not its share of {} in all", r,
-             lengths[static_cast<std::size_t>(r)].size(), what_, total);
+  for (int r = 0; r < world && refused.empty(); ++r) {
+    // One row an example: a model whose rows are not its examples (flattened tokens, say) would
+    // be interleaved wrongly.
+    const auto held = static_cast<std::int64_t>(lengths[static_cast<std::size_t>(r)].size());
+    if (held != share_size(examples, r, world)) {
+      refused = fmt::format(
+          "[evaluate] rank {} has {} rows of {}, not one for each of its {} of the {} examples", r,
+          held, what_, share_size(examples, r, world), examples);
+    }
   }
+  // The same checks on every rank, of the same headers: every rank refuses alike, together.
+  group.together("gathering its predictions", [&] { MB_CHECK(refused.empty(), "{}", refused); });
   if (total == 0) return;
   // Row j of the whole set is row j / W of rank j % W.
   const Shape first = kind->second;

@@ -49,10 +49,11 @@ class HostRows {
   Tensor tensor() const;
   /// Whether any row has been added (or gathered).
   bool has_rows() const { return !parts_.empty(); }
-  /// Every rank's rows, in the whole set's order, given that rank r of `group` holds its rows r,
-  /// r + W, r + 2W, ... of a world of W (DatasetShard's share): a collective, after which every
-  /// rank holds all the rows (Note [Sharded predictions] in train/evaluation.cpp).
-  void gather_shares(ProcessGroup& group);
+  /// Every rank's rows, in the whole set's order, given that rank r of `group` holds one row for
+  /// each of its examples r, r + W, r + 2W, ... of a set of `examples` in a world of W
+  /// (DatasetShard's share): a collective, after which every rank holds all the rows (Note
+  /// [Sharded predictions] in train/evaluation.cpp).
+  void gather_shares(ProcessGroup& group, std::int64_t examples);
 
  private:
   struct Part {

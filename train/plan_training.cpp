@@ -79,35 +79,42 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
   const std::int64_t resumed_at = resume_window(args);
   std::vector<std::vector<PackedShape>> stretches;
   std::set<std::vector<PackedShape>> distinct;
-  std::size_t in_all = 0;
+  // The ranks share the limits: each measures up to kShapesInAll / world shapes in all, and up to
+  // as many, or kShapesMeasured, a stretch.
+  const std::size_t rank_in_all =
+      std::max<std::size_t>(kShapesInAll / static_cast<std::size_t>(world), 1);
+  const std::size_t rank_measured = std::min(kShapesMeasured, rank_in_all);
   // Each rank's stretch in progress: its distinct shapes, in the order it first meets them.
   struct Stretch {
     std::vector<PackedShape> shapes;
     std::set<PackedShape> seen;
+    std::size_t in_all = 0;  // the shapes of its stretches given so far
   };
   std::vector<Stretch> ranks(static_cast<std::size_t>(world));
   auto close_stretches = [&] {
     for (Stretch& r : ranks) {
       if (!r.shapes.empty() && distinct.insert(r.shapes).second) {
-        in_all += r.shapes.size();
+        r.in_all += r.shapes.size();
         stretches.push_back(r.shapes);
       }
       r.shapes.clear();
       r.seen.clear();
     }
   };
+  auto open = [&](const Stretch& r) { return r.in_all < rank_in_all; };
   // One pass over the windows, each cut into every rank's share.
-  for (std::int64_t w = 0; w < windows && in_all < kShapesInAll; ++w) {
+  for (std::int64_t w = 0; w < windows && std::any_of(ranks.begin(), ranks.end(), open); ++w) {
     if (w > 0 && (w == resumed_at || hands_back_cache(args, w, per_epoch))) close_stretches();
     if (w % per_epoch == 0) loader.set_epoch(w / per_epoch);
-    const bool all_measured = std::all_of(ranks.begin(), ranks.end(), [](const Stretch& r) {
-      return r.seen.size() == kShapesMeasured;  // this stretch's first shapes are measured
+    const bool all_measured = std::all_of(ranks.begin(), ranks.end(), [&](const Stretch& r) {
+      return !open(r) ||
+             r.seen.size() == rank_measured;  // this stretch's first shapes are measured
     });
     if (all_measured) continue;
     const std::vector<std::int64_t> window = loader.batch_indices(w % per_epoch);
     for (int rank = 0; rank < world; ++rank) {
       Stretch& r = ranks[static_cast<std::size_t>(rank)];
-      if (r.seen.size() == kShapesMeasured) continue;
+      if (!open(r) || r.seen.size() == rank_measured) continue;
       const std::vector<std::int64_t> indices = window_share(window, rank, world);
       std::vector<std::int64_t> window_lengths;
       for (std::int64_t i : indices) window_lengths.push_back(lengths[static_cast<std::size_t>(i)]);
@@ -118,7 +125,7 @@ std::vector<std::vector<PackedShape>> run_shapes(const Dataset& data,
         PackedShape shape{.rows = static_cast<std::int64_t>(chunk.size())};
         for (std::int64_t i : chunk)
           shape.length = std::max(shape.length, lengths[static_cast<std::size_t>(i)]);
-        if (r.seen.size() == kShapesMeasured || !r.seen.insert(shape).second) continue;
+        if (r.seen.size() == rank_measured || !r.seen.insert(shape).second) continue;
         r.shapes.push_back(shape);
       }
     }
@@ -304,13 +311,42 @@ std::int64_t text_hash(const std::string& text) {
 // and data. Ranks given different ones (a budget, a training set or a seed of their own) would
 // plan, cut windows and call their collectives differently, and train on a sum that is no one
 // window's gradient: refused on every rank, naming what differs.
-void check_ranks_agree(ProcessGroup& group, const TrainingArguments& args, const MemoryPlan& plan,
-                       const std::string& fingerprint, std::int64_t window) {
+void check_arguments_agree(ProcessGroup& group, const TrainingArguments& args) {
   if (group.size() == 1) return;
-  const std::string arguments = args.to_json().dump();
-  const std::vector<std::int64_t> mine{text_hash(arguments),
-                                       text_hash(fingerprint),
-                                       window,
+  // Where each rank trains, and how it sums, are its own to name (a device index per rank, say):
+  // prepare_rank compares what they come to.
+  nlohmann::json compared = args.to_json();
+  for (const char* own : {"device", "use_cpu", "ddp_backend"}) compared.erase(own);
+  const std::string arguments = compared.dump();
+  const std::vector<std::int64_t> all = group.all_gather({text_hash(arguments)});
+  if (std::all_of(all.begin(), all.end(), [&](std::int64_t h) { return h == all[0]; })) return;
+  // Each rank names the arguments that differ from rank 0's.
+  std::vector<std::byte> first(arguments.size());
+  std::memcpy(first.data(), arguments.data(), arguments.size());
+  group.broadcast(first, 0);
+  const nlohmann::json theirs =
+      nlohmann::json::parse(std::string(reinterpret_cast<const char*>(first.data()), first.size()));
+  std::string differ;
+  for (const auto& [key, value] : compared.items()) {
+    if (!theirs.contains(key) || theirs.at(key) != value) {
+      differ += fmt::format("{}{} {} (rank 0: {})", differ.empty() ? "" : ", ", key, value.dump(),
+                            theirs.contains(key) ? theirs.at(key).dump() : "-");
+    }
+  }
+  group.together("comparing its arguments with rank 0's", [&] {
+    MB_CHECK(differ.empty(),
+             "[Trainer] rank {} of {} was given other training arguments than rank 0: {}; give "
+             "every rank the same",
+             group.rank(), group.size(), differ);
+  });
+}
+
+void check_ranks_agree(ProcessGroup& group, const RankInputs& inputs, const MemoryPlan& plan) {
+  if (group.size() == 1) return;
+  const std::vector<std::int64_t> mine{text_hash(inputs.train_fingerprint),
+                                       inputs.window,
+                                       inputs.eval_examples,
+                                       inputs.compute_metrics ? 1 : 0,
                                        plan.micro_batch_size,
                                        plan.gradient_checkpointing ? 1 : 0,
                                        plan.predicted_peak};
@@ -318,45 +354,26 @@ void check_ranks_agree(ProcessGroup& group, const TrainingArguments& args, const
   auto rank_values = [&](int r) {
     return all.begin() + static_cast<std::ptrdiff_t>(r * mine.size());
   };
-  // The arguments first: each rank names the ones that differ from rank 0's.
-  bool same_arguments = true;
-  for (int r = 1; r < group.size(); ++r) same_arguments &= rank_values(r)[0] == all[0];
-  if (!same_arguments) {
-    std::vector<std::byte> first(arguments.size());
-    std::memcpy(first.data(), arguments.data(), arguments.size());
-    group.broadcast(first, 0);
-    const nlohmann::json theirs = nlohmann::json::parse(
-        std::string(reinterpret_cast<const char*>(first.data()), first.size()));
-    const nlohmann::json ours = args.to_json();
-    std::string differ;
-    for (const auto& [key, value] : ours.items()) {
-      if (!theirs.contains(key) || theirs.at(key) != value) {
-        differ += fmt::format("{}{} {} (rank 0: {})", differ.empty() ? "" : ", ", key, value.dump(),
-                              theirs.contains(key) ? theirs.at(key).dump() : "-");
-      }
-    }
-    group.together("comparing its arguments with rank 0's", [&] {
-      MB_CHECK(differ.empty(),
-               "[Trainer] rank {} of {} was given other training arguments than rank 0: {}; give "
-               "every rank the same",
-               group.rank(), group.size(), differ);
-    });
-  }
   auto rank_text = [&](int r) {
     const auto v = rank_values(r);
     return fmt::format(
-        "rank {}: training labels {:016x}, windows of {}, micro-batches of {}{}, "
+        "rank {}: training labels {:016x}, windows of {}, {}, {}, micro-batches of {}{}, "
         "predicted peak {} bytes",
-        r, static_cast<std::uint64_t>(v[1]), v[2], v[3], v[4] != 0 ? " with checkpointing" : "",
-        v[5]);
+        r, static_cast<std::uint64_t>(v[0]), v[1],
+        v[2] < 0 ? std::string("no evaluation set") : fmt::format("{} evaluation examples", v[2]),
+        v[3] != 0 ? "compute_metrics" : "no compute_metrics", v[4],
+        v[5] != 0 ? " with checkpointing" : "", v[6]);
   };
-  for (int r = 1; r < group.size(); ++r) {
-    // Rank 0's against each other's, the same comparisons on every rank.
-    MB_CHECK(std::equal(rank_values(0), rank_values(1), rank_values(r)),
-             "[Trainer] the {} processes of this run differ in their training set or plan ({}; "
-             "{}): give every rank the same data",
-             group.size(), rank_text(0), rank_text(r));
-  }
+  // Every rank refuses alike, the same comparisons of the same values (rank 0's against each
+  // other's): shared, the command prints it once.
+  group.together("comparing its data and plan with rank 0's", [&] {
+    for (int r = 1; r < group.size(); ++r) {
+      MB_CHECK(std::equal(rank_values(0), rank_values(1), rank_values(r)),
+               "[Trainer] the {} processes of this run differ in their data or plan ({}; {}): give "
+               "every rank the same training and evaluation sets, and compute_metrics",
+               group.size(), rank_text(0), rank_text(r));
+    }
+  });
 }
 
 TrainingArguments rank_arguments(const TrainingArguments& args, int world) {

@@ -311,8 +311,8 @@ std::vector<MemoryPlanner::WindowRun> MemoryPlanner::window_sizes(std::int64_t n
 // the run is cut into stretches at those points (a resume starts at one: the save it resumes
 // from), each stretch's shapes are measured from an empty cache in the order it first meets them,
 // and the highest peak is the prediction. At most kShapesMeasured distinct shapes a stretch and
-// kShapesInAll in all are measured (train/plan_training.cpp): stretches past that are taken to
-// cache no more than those measured.
+// kShapesInAll in all are measured (train/plan_training.cpp; the ranks of a data-parallel run
+// share them): stretches past that are taken to cache no more than those measured.
 //
 // Plans are still judged by the window alone, which bounds every micro-batch's own peak (and keeps
 // the micro-batch size of sequences of one length). The predicted peak may then pass the usable

@@ -54,6 +54,7 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
              "eval_strategy = no",
              args_.eval_strategy);
   });
+  check_arguments_agree(*group_, args_);  // before they lead the ranks apart
   // Note [Data parallel]: rank r trains on cuda:(local rank) unless a device index was named.
   device_ = prepare_rank(
       *group_, asked,
@@ -75,7 +76,12 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   global_batch_ =
       global_window(resolve_batch_triad(rank_arguments(args_, group_->size())).effective,
                     train_set_.size(), group_->size());
-  check_ranks_agree(*group_, args_, plan_, fingerprint_, global_batch_);
+  check_ranks_agree(*group_,
+                    {.train_fingerprint = fingerprint_,
+                     .window = global_batch_,
+                     .eval_examples = eval_set_ != nullptr ? eval_set_->size() : -1,
+                     .compute_metrics = static_cast<bool>(compute_metrics_)},
+                    plan_);
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
@@ -853,7 +859,12 @@ TrainOutput Trainer::train() {
     }
     if (eval_set_ && args_.evaluates_after(step)) last_eval = evaluate_now();
     if (args_.saves_after(step)) save();
-    if (on_step_) group_->together("in its step callback", [&] { on_step_(step); });
+    // Every rank, whichever has a callback: a rank may log alone.
+    if (on_step_ || group_->size() > 1) {
+      group_->together("in its step callback", [&] {
+        if (on_step_) on_step_(step);
+      });
+    }
   }
   for (const optim::StepOutcome& o : boundary.settle()) take_outcome(o);  // none pending after a logged last step
   if (step > first_step) {

@@ -61,11 +61,21 @@ std::int64_t global_window(std::int64_t rank_effective, std::int64_t samples, in
 MemoryPlan plan_training(const ModelInit& model_init, const TrainingArguments& args,
                          const Dataset& train_set, Device device, int world = 1);
 
-/// Refuses, on every rank of `group`, a data-parallel run whose ranks differ in their arguments,
-/// their training labels (`fingerprint`, label_fingerprint()), their window or their plan, naming
-/// what differs (a collective; nothing in a world of one).
-void check_ranks_agree(ProcessGroup& group, const TrainingArguments& args, const MemoryPlan& plan,
-                       const std::string& fingerprint, std::int64_t window);
+/// Refuses, on every rank of `group`, a data-parallel run whose ranks were given other arguments
+/// than rank 0's, naming them; where each rank trains and how it sums (device, use_cpu,
+/// ddp_backend) are left to prepare_rank. A collective; nothing in a world of one.
+void check_arguments_agree(ProcessGroup& group, const TrainingArguments& args);
+
+/// What else a rank of a data-parallel run must share with the others.
+struct RankInputs {
+  std::string train_fingerprint;    // label_fingerprint() of the training set
+  std::int64_t window = 0;          // samples in a window, over every rank
+  std::int64_t eval_examples = -1;  // the evaluation set's size; -1 without one
+  bool compute_metrics = false;     // whether evaluation gathers predictions for compute_metrics
+};
+/// Refuses, on every rank of `group`, a data-parallel run whose ranks differ in these or in their
+/// plan (Note [Agreed plans] in train/planner.cpp). A collective; nothing in a world of one.
+void check_ranks_agree(ProcessGroup& group, const RankInputs& inputs, const MemoryPlan& plan);
 
 struct TrainOutput {
   std::int64_t global_step = 0;
@@ -81,7 +91,9 @@ struct PredictionOutput {
   Metrics metrics;
 };
 
-/// Called after every optimizer step with the global step (for tests and custom logging).
+/// Called after every optimizer step with the global step (for tests and custom logging). In a
+/// data-parallel run it may be set on some ranks only (to log from rank 0, say), and an exception
+/// it throws is thrown on every rank (Note [Failing together] in train/distributed.h).
 using StepCallback = std::function<void(std::int64_t step)>;
 
 class Trainer {
@@ -90,7 +102,9 @@ class Trainer {
   /// nullptr is ProcessGroup::world(), those the launcher started. In a world of more than one the
   /// constructor, train(), evaluate() and predict() are collectives: every rank calls them, in the
   /// same order, and an error on one rank is thrown on every rank (Note [Failing together]).
-  /// model_init runs inside one of them and must call no collective of its own.
+  /// model_init, compute_metrics and the step callback run inside such a shared stretch and must
+  /// call no collective of their own. compute_metrics and the evaluation set must be the same on
+  /// every rank (both are compared).
   Trainer(ModelInit model_init, TrainingArguments args, const Dataset& train_set,
           const Dataset* eval_set = nullptr, ComputeMetrics compute_metrics = {},
           ProcessGroup* group = nullptr);

@@ -556,6 +556,22 @@ TEST_CASE("data parallel: an error on one rank stops every rank with its message
     CHECK(e.failed_rank() == 0);
     CHECK(std::string(e.what()).find("the callback stops at step 2") != std::string::npos);
   }
+  // Every rank throwing at once keeps its own exception, of its own type, as one process does:
+  // a callback's own way to stop early.
+  struct Stop {};
+  Trainer stopping(small_mlp(), callback_args, base, nullptr, {}, nullptr);
+  stopping.set_log_stream(&sink);
+  stopping.set_step_callback([](std::int64_t step) {
+    if (step == 2) throw Stop{};
+  });
+  CHECK_THROWS_AS(stopping.train(), Stop);
+  // A callback on rank 0 alone (to log from one rank): the run goes on on both.
+  std::int64_t seen = 0;
+  Trainer logging(small_mlp(), callback_args, base, nullptr, {}, nullptr);
+  logging.set_log_stream(&sink);
+  if (world().is_main()) logging.set_step_callback([&](std::int64_t) { ++seen; });
+  const TrainOutput out = logging.train();
+  CHECK(seen == (world().is_main() ? out.global_step : 0));
   // The world is still whole: the ranks go on summing together.
   CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
 }
@@ -615,7 +631,21 @@ TEST_CASE("data parallel: ranks given different data, arguments or backends are 
        {static_cast<const Dataset*>(&fewer), static_cast<const Dataset*>(&relabelled)}) {
     const Dataset& mine = world().is_main() ? static_cast<const Dataset&>(data) : *other;
     check_throws_with([&] { Trainer trainer(small_mlp(), args, mine, nullptr, {}, nullptr); },
-                      "differ in their training set or plan (rank 0: training labels ");
+                      "differ in their data or plan (rank 0: training labels ");
+  }
+  // compute_metrics, or an evaluation set, on one rank alone: its evaluation would gather
+  // predictions the other does not send.
+  TensorDataset eval = synthetic_images(12, 20);
+  check_throws_with(
+      [&] {
+        Trainer trainer(small_mlp(), args, data, &eval,
+                        world().is_main() ? classification_metrics : ComputeMetrics(), nullptr);
+      },
+      "compute_metrics, micro-batches of 4, predicted peak 0 bytes; rank 1: training labels");
+  {
+    const Dataset* mine = world().is_main() ? &eval : nullptr;
+    check_throws_with([&] { Trainer trainer(small_mlp(), args, data, mine, {}, nullptr); },
+                      "12 evaluation examples, no compute_metrics");
   }
   // Arguments of one rank's own, named: a budget (the ranks would plan differently), and how often
   // to log (their collectives would go out of step).
@@ -644,7 +674,7 @@ TEST_CASE("data parallel: ranks given different data, arguments or backends are 
   TrainingArguments backend = args;
   if (!world().is_main()) backend.ddp_backend = "nccl";
   check_throws_with([&] { Trainer trainer(small_mlp(), backend, data, nullptr, {}, nullptr); },
-                    "rank 1 trains on cpu with ddp_backend nccl, rank 0 on cpu with mpi");
+                    "rank 1 trains on the CPU with ddp_backend nccl, rank 0 on the CPU with mpi");
   CHECK(world().all_reduce_sum(std::int64_t{1}) == 2);
 }
 
