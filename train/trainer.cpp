@@ -65,11 +65,26 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   if (args_.fp16) compute_dtype_ = DType::f16;
   if (args_.bf16) compute_dtype_ = DType::bf16;
   manual_seed(args_.seed);
+  // A run resumed from "latest" is planned from the newest checkpoint rank 0 sees (where its
+  // stretches start): a rank whose view of a shared folder lags would plan others.
+  std::vector<std::byte> latest;
+  if (group_->size() > 1 && args_.resume_from_checkpoint == "latest") {
+    group_->together("finding the latest checkpoint", [&] {
+      if (!group_->is_main()) return;
+      const std::vector<std::string> all = list_checkpoints(args_.output_dir);
+      if (all.empty()) return;
+      latest.resize(all.back().size());
+      std::memcpy(latest.data(), all.back().data(), latest.size());
+    });
+    group_->broadcast(latest, 0);
+  }
   group_->together("building its model and plan", [&] {  // Note [Failing together]
     model_ = model_init_();
     MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
     model_->to(device_);
-    plan_ = make_plan();
+    plan_ = make_plan(
+        latest.empty() ? std::string()
+                       : std::string(reinterpret_cast<const char*>(latest.data()), latest.size()));
     fingerprint_ = label_fingerprint(train_set_);
   });
   // The ranks' loaders must cut the same windows.
@@ -99,9 +114,10 @@ Tensor Trainer::model_inputs(const Tensor& inputs) const {
   return inputs.to(*compute_dtype_);
 }
 
-MemoryPlan Trainer::make_plan() {
-  return plan_training(model_init_, rank_arguments(args_, group_->size()), train_set_, device_,
-                       group_->size());
+MemoryPlan Trainer::make_plan(const std::string& resume_from) {
+  TrainingArguments planned = rank_arguments(args_, group_->size());
+  if (!resume_from.empty()) planned.resume_from_checkpoint = resume_from;
+  return plan_training(model_init_, planned, train_set_, device_, group_->size());
 }
 
 // ---- training ----------------------------------------------------------------------------------

@@ -132,7 +132,9 @@ class Trainer {
 
  private:
   struct State;
-  MemoryPlan make_plan();
+  /// The plan for these arguments; a run resumed from `resume_from` when not empty (the checkpoint
+  /// "latest" stands for).
+  MemoryPlan make_plan(const std::string& resume_from);
   Metrics run_evaluation(const Dataset& data, PredictionOutput* keep);
 
   ModelInit model_init_;

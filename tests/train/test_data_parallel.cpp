@@ -426,6 +426,18 @@ TEST_CASE("data parallel: a checkpoint of two ranks resumes in one process") {
   nn::StateDict twice;
   run(again, data, nullptr, &twice);
   CHECK(max_difference(together, twice) == 0.0);
+  // And from "latest", which rank 0 finds for every rank, to plan and to load.
+  if (world().is_main()) {
+    fs::create_directories(dir.path / "latest");
+    fs::copy(checkpoint, dir.path / "latest" / "checkpoint-3", fs::copy_options::recursive);
+  }
+  world().barrier();
+  again.output_dir = (dir.path / "latest").string();
+  again.resume_from_checkpoint = "latest";
+  nn::StateDict latest;
+  const TrainOutput from_latest = run(again, data, nullptr, &latest);
+  CHECK(from_latest.global_step == 6);
+  CHECK(max_difference(together, latest) == 0.0);
 
   // Another effective batch would read other windows: refused, counting every rank's share.
   alone.per_device_train_batch_size = 4;
