@@ -64,13 +64,11 @@ bool WindowedLoader::read_window() {
       pending_.push_back(std::move(*b));
     }
   };
-  if (group_ != nullptr) {
+  if (group_ == nullptr) {
+    read();
+  } else {
     // A process whose source fails stops every process (Note [Failing together]).
     group_->together("reading its window", read);
-  } else {
-    read();
-  }
-  if (group_ != nullptr) {
     // Every process's source must end together: one whose data ran out would leave the others
     // waiting for it in the window's sum.
     const std::int64_t with_window = group_->all_reduce_sum(std::int64_t{pending_.empty() ? 0 : 1});

@@ -384,29 +384,25 @@ void ProcessGroup::settle(std::exception_ptr mine, const std::string& doing) {
   }
   const int root = size_ - static_cast<int>(lowest);
   std::string message = root == rank_ ? message_of(mine) : std::string();
-  // What the failing rank threw: 0 for an error, else an out-of-memory error's request + 1.
-  std::vector<std::int64_t> out_of_memory{0};
+  broadcast(message, root);
+  // What the failing rank threw: 0 for an error, else an out-of-memory error's request + 1 (the
+  // other ranks give 0 to the maximum).
+  std::int64_t out_of_memory = 0;
   if (root == rank_) {
     try {
       std::rethrow_exception(mine);
     } catch (const OutOfMemoryError& e) {
-      out_of_memory[0] = static_cast<std::int64_t>(e.requested()) + 1;
+      out_of_memory = static_cast<std::int64_t>(e.requested()) + 1;
     } catch (...) {
     }
   }
-  std::vector<std::byte> sent(message.size() + sizeof(std::int64_t));
-  std::memcpy(sent.data(), out_of_memory.data(), sizeof(std::int64_t));
-  std::memcpy(sent.data() + sizeof(std::int64_t), message.data(), message.size());
-  broadcast(sent, root);
-  std::memcpy(out_of_memory.data(), sent.data(), sizeof(std::int64_t));
-  message.assign(reinterpret_cast<const char*>(sent.data()) + sizeof(std::int64_t),
-                 sent.size() - sizeof(std::int64_t));
+  out_of_memory = all_reduce_max(out_of_memory);
   if (root != rank_) {
     message =
         fmt::format("[distributed] rank {} of {} failed while {}: {}", root, size_, doing, message);
   }
-  if (out_of_memory[0] > 0)
-    throw SharedOutOfMemoryError(message, static_cast<std::size_t>(out_of_memory[0] - 1), root);
+  if (out_of_memory > 0)
+    throw SharedOutOfMemoryError(message, static_cast<std::size_t>(out_of_memory - 1), root);
   throw SharedError(message, root);
 }
 
@@ -446,28 +442,30 @@ void ProcessGroup::broadcast(Tensor& t, int root) {
     return;
   }
   MB_CHECK(t.device().is_cpu(), "[distributed] cannot broadcast a tensor on {}", t.device().str());
-#ifdef MB_HAVE_MPI
-  char* p = static_cast<char*>(t.raw_data());
-  const std::size_t total = t.nbytes(), bucket = static_cast<std::size_t>(kBucket);
-  for (std::size_t at = 0; at < total; at += bucket) {
-    MPI_Bcast(p + at, static_cast<int>(std::min(bucket, total - at)), MPI_BYTE, root,
-              MPI_COMM_WORLD);
-  }
-#endif
+  broadcast_bytes(t.raw_data(), static_cast<std::int64_t>(t.nbytes()), root);
 }
 
-void ProcessGroup::broadcast(std::vector<std::byte>& bytes, int root) {
+std::int64_t ProcessGroup::broadcast_size(std::int64_t n, int root) {
   MB_CHECK(root >= 0 && root < size_, "[distributed] broadcast from rank {} in a world of {}", root,
            size_);
+#ifdef MB_HAVE_MPI
+  if (size_ > 1) MPI_Bcast(&n, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
+#endif
+  return n;
+}
+
+void ProcessGroup::broadcast_bytes(void* data, std::int64_t bytes, int root) {
   if (size_ == 1) return;
 #ifdef MB_HAVE_MPI
-  auto total = static_cast<std::int64_t>(bytes.size());
-  MPI_Bcast(&total, 1, MPI_INT64_T, root, MPI_COMM_WORLD);
-  bytes.resize(static_cast<std::size_t>(total));
-  for (std::int64_t at = 0; at < total; at += kBucket) {
-    MPI_Bcast(bytes.data() + at, static_cast<int>(std::min(kBucket, total - at)), MPI_BYTE, root,
+  char* p = static_cast<char*>(data);
+  for (std::int64_t at = 0; at < bytes; at += kBucket) {
+    MPI_Bcast(p + at, static_cast<int>(std::min(kBucket, bytes - at)), MPI_BYTE, root,
               MPI_COMM_WORLD);
   }
+#else
+  (void)data;
+  (void)bytes;
+  (void)root;
 #endif
 }
 

@@ -52,6 +52,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/tensor.h"
@@ -133,8 +134,15 @@ class ProcessGroup {
   std::vector<std::int64_t> all_gather(const std::vector<std::int64_t>& mine);
   /// Copies rank `root`'s bytes of a contiguous tensor into every rank's.
   void broadcast(Tensor& t, int root = 0);
-  /// Copies rank `root`'s host bytes, however many, into every rank's `bytes` (resized to fit).
-  void broadcast(std::vector<std::byte>& bytes, int root);
+  /// Copies rank `root`'s host array (a std::string, or a std::vector of plain values), however
+  /// long, into every rank's `array` (resized to fit).
+  template <class Array>
+  requires std::is_trivially_copyable_v<typename Array::value_type>
+  void broadcast(Array& array, int root) {
+    array.resize(
+        static_cast<std::size_t>(broadcast_size(static_cast<std::int64_t>(array.size()), root)));
+    broadcast_bytes(array.data(), static_cast<std::int64_t>(array.size() * sizeof(array[0])), root);
+  }
   void barrier();
   /// Runs `work` on this rank; in a world of more than one, every rank then learns whether it threw
   /// on any rank, and if it did, throws too (Note [Failing together]). A collective, and a
@@ -177,6 +185,10 @@ class ProcessGroup {
   /// The NCCL communicator (an ncclComm_t) for a tensor on a CUDA device, made current; refused
   /// without one on that device.
   void* device_comm(const Tensor& t, const char* doing);
+  /// Rank `root`'s `n`, on every rank.
+  std::int64_t broadcast_size(std::int64_t n, int root);
+  /// Copies rank `root`'s `bytes` bytes at `data` into every rank's.
+  void broadcast_bytes(void* data, std::int64_t bytes, int root);
   /// together()'s collective: when `mine` (this rank's error, or null) is set on every rank, each
   /// rethrows its own; when on some, every rank throws a SharedFailure.
   void settle(std::exception_ptr mine, const std::string& doing);

@@ -123,24 +123,6 @@ Tensor HostRows::tensor() const {
   return t;
 }
 
-namespace {
-
-// A rank's rows as sent: their dtype and first batch's shape (when it has rows), and each row's
-// length, as int64 words.
-std::vector<std::byte> words_bytes(const std::vector<std::int64_t>& words) {
-  std::vector<std::byte> bytes(words.size() * sizeof(std::int64_t));
-  if (!words.empty()) std::memcpy(bytes.data(), words.data(), bytes.size());
-  return bytes;
-}
-
-std::vector<std::int64_t> bytes_words(const std::vector<std::byte>& bytes) {
-  std::vector<std::int64_t> words(bytes.size() / sizeof(std::int64_t));
-  if (!words.empty()) std::memcpy(words.data(), bytes.data(), words.size() * sizeof(std::int64_t));
-  return words;
-}
-
-}  // namespace
-
 void HostRows::gather_shares(ProcessGroup& group, std::int64_t examples) {
   const int world = group.size();
   if (world == 1) return;
@@ -164,11 +146,10 @@ void HostRows::gather_shares(ProcessGroup& group, std::int64_t examples) {
   std::string refused;  // why the rows cannot be put together, the first reason found
   for (int r = 0; r < world; ++r) {
     const bool me = r == group.rank();
-    std::vector<std::byte> header = me ? words_bytes(mine) : std::vector<std::byte>();
-    group.broadcast(header, r);
-    const std::vector<std::int64_t> words = bytes_words(header);
+    std::vector<std::int64_t> words = me ? mine : std::vector<std::int64_t>();
+    group.broadcast(words, r);
     auto& rank_bytes = bytes[static_cast<std::size_t>(r)];
-    if (me) rank_bytes = bytes_;
+    if (me) rank_bytes.swap(bytes_);  // its own rows, without a copy: bytes_ is remade below
     group.broadcast(rank_bytes, r);
     const std::int64_t rows = words.at(0);
     if (rows == 0) continue;

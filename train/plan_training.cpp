@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -321,11 +320,9 @@ void check_arguments_agree(ProcessGroup& group, const TrainingArguments& args) {
   const std::vector<std::int64_t> all = group.all_gather({text_hash(arguments)});
   if (std::all_of(all.begin(), all.end(), [&](std::int64_t h) { return h == all[0]; })) return;
   // Each rank names the arguments that differ from rank 0's.
-  std::vector<std::byte> first(arguments.size());
-  std::memcpy(first.data(), arguments.data(), arguments.size());
+  std::string first = arguments;
   group.broadcast(first, 0);
-  const nlohmann::json theirs =
-      nlohmann::json::parse(std::string(reinterpret_cast<const char*>(first.data()), first.size()));
+  const nlohmann::json theirs = nlohmann::json::parse(first);
   std::string differ;
   for (const auto& [key, value] : compared.items()) {
     if (!theirs.contains(key) || theirs.at(key) != value) {

@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
@@ -67,14 +66,12 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
   manual_seed(args_.seed);
   // A run resumed from "latest" is planned from the newest checkpoint rank 0 sees (where its
   // stretches start): a rank whose view of a shared folder lags would plan others.
-  std::vector<std::byte> latest;
+  std::string latest;  // its path; empty for none
   if (group_->size() > 1 && args_.resume_from_checkpoint == "latest") {
     group_->together("finding the latest checkpoint", [&] {
       if (!group_->is_main()) return;
       const std::vector<std::string> all = list_checkpoints(args_.output_dir);
-      if (all.empty()) return;
-      latest.resize(all.back().size());
-      std::memcpy(latest.data(), all.back().data(), latest.size());
+      if (!all.empty()) latest = all.back();
     });
     group_->broadcast(latest, 0);
   }
@@ -82,9 +79,7 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
     model_ = model_init_();
     MB_CHECK(model_ != nullptr, "[Trainer] model_init returned no model");
     model_->to(device_);
-    plan_ = make_plan(
-        latest.empty() ? std::string()
-                       : std::string(reinterpret_cast<const char*>(latest.data()), latest.size()));
+    plan_ = make_plan(latest);
     fingerprint_ = label_fingerprint(train_set_);
   });
   // The ranks' loaders must cut the same windows.
@@ -290,7 +285,7 @@ TrainOutput Trainer::train() {
   // "latest" is rank 0's newest usable checkpoint, which every rank then loads: a rank whose view
   // of a shared folder lags would otherwise resume from another step.
   std::optional<ResumePoint> point;
-  std::vector<std::byte> latest;  // its path
+  std::string latest;  // its path
   if (resuming && args_.resume_from_checkpoint == "latest") {
     group_->together("finding the latest checkpoint", [&] {
       if (!main) return;
@@ -298,8 +293,7 @@ TrainOutput Trainer::train() {
       MB_CHECK(point.has_value(),
                "[Trainer] resume_from_checkpoint = latest, but {} holds no usable checkpoint",
                args_.output_dir);
-      latest.resize(point->path.size());
-      std::memcpy(latest.data(), point->path.data(), point->path.size());
+      latest = point->path;
     });
     group_->broadcast(latest, 0);
   }
@@ -307,10 +301,7 @@ TrainOutput Trainer::train() {
     token_labels = train_set_.get(0).label.dim() > 0;
     if (resuming) {
       if (!point) {
-        const std::string path =
-            latest.empty()
-                ? args_.resume_from_checkpoint
-                : std::string(reinterpret_cast<const char*>(latest.data()), latest.size());
+        const std::string path = latest.empty() ? args_.resume_from_checkpoint : latest;
         point = ResumePoint{path, load_checkpoint(path), {}};
       }
       const nlohmann::json& st = point->data.trainer_state;

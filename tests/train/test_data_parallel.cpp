@@ -36,14 +36,13 @@ ProcessGroup& world() { return ProcessGroup::world(); }
 // once both are done with it.
 struct SharedDir {
   SharedDir() {
-    Tensor name = zeros({256}, {.dtype = DType::u8});
+    std::string name;
     if (world().is_main()) {
-      std::string pattern = (fs::temp_directory_path() / "mb_dp_XXXXXX").string();
-      REQUIRE(mkdtemp(pattern.data()) != nullptr);
-      std::copy(pattern.begin(), pattern.end(), name.data<std::uint8_t>());
+      name = (fs::temp_directory_path() / "mb_dp_XXXXXX").string();
+      REQUIRE(mkdtemp(name.data()) != nullptr);
     }
-    world().broadcast(name);
-    path = reinterpret_cast<const char*>(name.data<std::uint8_t>());
+    world().broadcast(name, 0);
+    path = name;
   }
   ~SharedDir() {
     world().barrier();
