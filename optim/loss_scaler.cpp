@@ -77,18 +77,20 @@ bool DynamicLossScaler::update(bool found_inf) {
     const float floor = static_cast<float>(config_.min_loss_scale);
     if (state_.scale <= floor && !warned_floor_) {
       warned_floor_ = true;
-      std::fprintf(stderr,
-                   "[loss_scaler] warning: loss scale reached its floor min_loss_scale = %g; "
-                   "further overflows skip steps without lowering it\n",
-                   static_cast<double>(floor));
+      if (config_.warnings == ScalerWarnings::kPrint)
+        std::fprintf(stderr,
+                     "[loss_scaler] warning: loss scale reached its floor min_loss_scale = %g; "
+                     "further overflows skip steps without lowering it\n",
+                     static_cast<double>(floor));
     }
   } else if (backed_off && state_.scale == kernels::kSmallestLossScale && !warned_floor_) {
     // No floor: say so once rather than collapse silently.
     warned_floor_ = true;
-    std::fprintf(stderr,
-                 "[loss_scaler] warning: loss scale reached 2^-126, the smallest it can take, "
-                 "after repeated overflows; gradients are not finite at any scale (set "
-                 "min_loss_scale and max_overflows_at_floor to stop the run)\n");
+    if (config_.warnings == ScalerWarnings::kPrint)
+      std::fprintf(stderr,
+                   "[loss_scaler] warning: loss scale reached 2^-126, the smallest it can take, "
+                   "after repeated overflows; gradients are not finite at any scale (set "
+                   "min_loss_scale and max_overflows_at_floor to stop the run)\n");
   }
   if (was_at_floor && config_.max_overflows_at_floor > 0 &&
       state_.overflows_at_floor >= config_.max_overflows_at_floor) {

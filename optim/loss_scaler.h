@@ -22,6 +22,10 @@
 
 namespace microbatch::optim {
 
+/// Where the scaler's one-time warnings go (Note [Loss-scale floor]): a data-parallel run's ranks
+/// all see the same overflows, and only rank 0 prints (kQuiet on the others).
+enum class ScalerWarnings { kPrint, kQuiet };
+
 struct LossScalerConfig {
   double init_scale = 65536.0;
   double growth_factor = 2.0;
@@ -33,6 +37,7 @@ struct LossScalerConfig {
   double min_loss_scale = 0.0;          // floor; 0 = none (PyTorch). At the floor the scale stays.
   std::int64_t max_overflows_at_floor = 0;  // consecutive overflowing steps at the floor before
                                             // update() throws LossScaleFloorError; 0 = never
+  ScalerWarnings warnings = ScalerWarnings::kPrint;
 };
 
 /// Thrown when the scale sits at its floor and steps keep overflowing.

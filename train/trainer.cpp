@@ -246,11 +246,12 @@ TrainOutput Trainer::train() {
   optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_, .grad_dtype = gradient_dtype()});
   std::optional<optim::DynamicLossScaler> scaler;
   if (args_.fp16) {
-    scaler.emplace(optim::LossScalerConfig{.hysteresis = args_.loss_scale_hysteresis,
-                                           .consecutive_hysteresis =
-                                               args_.loss_scale_consecutive_hysteresis,
-                                           .min_loss_scale = args_.loss_scale_floor,
-                                           .max_overflows_at_floor = args_.max_overflows_at_floor});
+    scaler.emplace(optim::LossScalerConfig{
+        .hysteresis = args_.loss_scale_hysteresis,
+        .consecutive_hysteresis = args_.loss_scale_consecutive_hysteresis,
+        .min_loss_scale = args_.loss_scale_floor,
+        .max_overflows_at_floor = args_.max_overflows_at_floor,
+        .warnings = main ? optim::ScalerWarnings::kPrint : optim::ScalerWarnings::kQuiet});
   }
   empty_cache(device_);  // Note [Arenas in blocks of their own]
   optim::AdamW adamw(store, {.lr = args_.learning_rate, .beta1 = args_.adam_beta1, .beta2 = args_.adam_beta2,

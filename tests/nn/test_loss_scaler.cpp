@@ -1,10 +1,14 @@
 // DynamicLossScaler: PyTorch's GradScaler update tests replayed, DeepSpeed's hysteresis and floor,
 // the f32 arithmetic of the scale, and checkpoint round trips.
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "optim/loss_scaler.h"
@@ -257,6 +261,59 @@ TEST_CASE("LossScaler: max_overflows_at_floor stops the run, a finite step reset
   // It is a microbatch::Error, so callers catching Error see it too.
   DynamicLossScaler t({.init_scale = 2.0, .min_loss_scale = 2.0, .max_overflows_at_floor = 1});
   check_throws_with([&] { t.update(true); }, "loss-scale floor");
+}
+
+namespace {
+
+// What `run` writes to stderr (file descriptor 2, where the scaler prints).
+template <class F>
+std::string stderr_of(F&& run) {
+  std::fflush(stderr);
+  std::FILE* file = std::tmpfile();
+  REQUIRE(file != nullptr);
+  const int saved = dup(2);
+  REQUIRE(saved >= 0);
+  REQUIRE(dup2(fileno(file), 2) >= 0);
+  run();
+  std::fflush(stderr);
+  dup2(saved, 2);
+  close(saved);
+  std::rewind(file);
+  std::string text;
+  for (int c = std::fgetc(file); c != EOF; c = std::fgetc(file))
+    text.push_back(static_cast<char>(c));
+  std::fclose(file);
+  return text;
+}
+
+}  // namespace
+
+TEST_CASE("LossScaler: the floor warning prints once, and not at all with ScalerWarnings::kQuiet") {
+  // A data-parallel run's other ranks see the same overflows as rank 0, which alone prints.
+  for (const optim::ScalerWarnings warnings :
+       {optim::ScalerWarnings::kPrint, optim::ScalerWarnings::kQuiet}) {
+    CAPTURE(static_cast<int>(warnings));
+    const bool print = warnings == optim::ScalerWarnings::kPrint;
+    DynamicLossScaler floor({.init_scale = 8.0, .min_loss_scale = 2.0, .warnings = warnings});
+    const std::string at_floor = stderr_of([&] {
+      for (int i = 0; i < 5; ++i) CHECK(floor.update(true));
+    });
+    CHECK(floor.scale() == 2.0);
+    CHECK((at_floor.find("reached its floor min_loss_scale = 2") != std::string::npos) == print);
+    CHECK((at_floor.find("[loss_scaler]") == at_floor.rfind("[loss_scaler]")));  // once at most
+    // Without a floor: the warning at 2^-126.
+    DynamicLossScaler bottom({.init_scale = 4.0, .warnings = warnings});
+    const std::string at_bottom = stderr_of([&] {
+      for (int i = 0; i < 140; ++i) CHECK(bottom.update(true));
+    });
+    CHECK(bottom.scale() == static_cast<double>(kernels::kSmallestLossScale));
+    CHECK((at_bottom.find("reached 2^-126") != std::string::npos) == print);
+    CHECK(at_bottom.find("[loss_scaler]") == at_bottom.rfind("[loss_scaler]"));
+    // The warnings survive a checkpoint's config, which restores the rule only.
+    DynamicLossScaler restored({.min_loss_scale = 2.0, .warnings = warnings});
+    restored.load_state_dict(floor.state_dict());
+    CHECK(restored.config().warnings == warnings);
+  }
 }
 
 TEST_CASE("LossScaler: inv_scale is (float)(1.0 / (double)scale), bit for bit") {

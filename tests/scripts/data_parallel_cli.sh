@@ -98,6 +98,10 @@ for attempt in 1 2 3 4 5; do
   if compgen -G "$WORK/floor$attempt/.checkpoint-*" > /dev/null; then
     echo "FAIL: a checkpoint was left half-written"; ls -la "$WORK/floor$attempt"; exit 1
   fi
+  # The scaler's warning on reaching the floor: every rank reaches it, rank 0 alone prints it.
+  if [[ $(grep -c "loss scale reached its floor" "$WORK/floor.out") -ne 1 ]]; then
+    echo "FAIL: the floor warning was not printed once"; cat "$WORK/floor.out"; exit 1
+  fi
 done
 
 echo "data_parallel_cli: ok"
