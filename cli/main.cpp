@@ -505,7 +505,7 @@ int main(int argc, char** argv) {
       // Every rank of a data-parallel run has this error (Note [Failing together] in
       // train/distributed.h): rank 0 says it, and each rank ends on its own.
       if (mb::train::launch_info().rank == 0) std::cerr << "error: " << e.what() << "\n";
-      mb::train::ProcessGroup::world().finalize();
+      mb::train::ProcessGroup::world().finalize(mb::train::ProcessGroup::Ending::AfterError);
       return 2;
     }
     std::cerr << "error: " << e.what() << "\n";

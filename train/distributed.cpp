@@ -21,6 +21,10 @@
 #endif
 #ifdef MB_HAVE_NCCL
 #include <nccl.h>
+#include <unistd.h>
+
+#include <functional>
+#include <string>
 
 #include "kernels/cuda/runtime.h"
 #endif
@@ -83,9 +87,51 @@ LaunchInfo launch_info() {
 }
 
 #ifdef MB_HAVE_NCCL
+namespace {
+
+// NCCL takes one GPU a rank, and refuses ranks that share one inside ncclCommInitRank, where a
+// rank that fails leaves the others waiting. Ranks whose CUDA_VISIBLE_DEVICES or `cuda:N` named the
+// same GPU of the same machine are refused here instead, on every rank alike (Note [Failing
+// together]). A rank's GPU is known by its host's name and the device's UUID, as a hash.
+void refuse_shared_gpus(ProcessGroup& group, Device device) {
+  if (group.size() == 1) return;
+  std::int64_t key = 0;
+  group.together("naming its GPU", [&] {
+    cudaDeviceProp prop{};
+    MB_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index));
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    const std::string name =
+        std::string(host) + '/' + std::string(prop.uuid.bytes, sizeof prop.uuid.bytes);
+    key = static_cast<std::int64_t>(std::hash<std::string>{}(name));
+  });
+  const std::vector<std::int64_t> keys = group.all_gather({key, device.index});
+  group.together("comparing its GPU with the other ranks'", [&] {
+    for (int a = 0; a < group.size(); ++a) {
+      for (int b = a + 1; b < group.size(); ++b) {
+        const auto at = [](int r) { return static_cast<std::size_t>(r) * 2; };
+        MB_CHECK(keys[at(a)] != keys[at(b)],
+                 "[distributed] ranks {} and {} train on one GPU (cuda:{} and cuda:{} as each sees "
+                 "it): NCCL needs a GPU for each rank. Launch as many ranks a machine as it has "
+                 "GPUs, and let each rank take cuda:(local rank), or give each its own "
+                 "CUDA_VISIBLE_DEVICES",
+                 a, b, keys[at(a) + 1], keys[at(b) + 1]);
+      }
+    }
+  });
+}
+
+}  // namespace
+
 struct ProcessGroup::Nccl {
   ncclComm_t comm = nullptr;
   int device = 0;
+  // After an error the communicator is aborted: ncclCommDestroy may wait for the other ranks, or
+  // for work that a failed device will not finish.
+  void abort() {
+    if (comm != nullptr) ncclCommAbort(comm);
+    comm = nullptr;
+  }
   ~Nccl() {
     if (comm != nullptr) ncclCommDestroy(comm);
   }
@@ -143,7 +189,12 @@ ProcessGroup& ProcessGroup::solo() {
 
 ProcessGroup::~ProcessGroup() { finalize(); }
 
-void ProcessGroup::finalize() {
+void ProcessGroup::finalize(Ending ending) {
+#ifdef MB_HAVE_NCCL
+  if (nccl_ && ending == Ending::AfterError) nccl_->abort();
+#else
+  (void)ending;
+#endif
   nccl_.reset();
   backend_ = DdpBackend::None;
 #ifdef MB_HAVE_MPI
@@ -190,12 +241,18 @@ void ProcessGroup::use(DdpBackend backend, Device device) {
                     all_reduce_max(nccl_ && nccl_->device == device.index ? 0 : 1) == 1;
   if (make) {
     nccl_.reset();
+    refuse_shared_gpus(*this, device);
     ncclUniqueId id{};
     together("readying NCCL", [&] {
       if (rank_ == 0) MB_NCCL_CHECK(ncclGetUniqueId(&id));
       MB_CUDA_CHECK(cudaSetDevice(device.index));
     });
-    if (size_ > 1) MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+    if (size_ > 1) {
+      MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+      // ncclCommInitRank makes no MPI call: rank 0's broadcast is done on every rank before any
+      // waits in NCCL (some MPI libraries' collectives otherwise hang with it).
+      MPI_Barrier(MPI_COMM_WORLD);
+    }
     auto nccl = std::make_unique<Nccl>();
     nccl->device = device.index;
     // A rank whose ncclCommInitRank fails leaves the others in theirs: the command's MPI_Abort
@@ -237,7 +294,15 @@ ncclDataType_t nccl_type(DType dtype) {
     case DType::f16:
       return ncclFloat16;
     case DType::bf16:
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 10, 0)
       return ncclBfloat16;
+#else
+      MB_CHECK(false,
+               "[distributed] this NCCL ({}) has no bf16: sum bf16 gradients with NCCL 2.10 or "
+               "later, or keep f32 gradients",
+               NCCL_VERSION_CODE);
+      break;
+#endif
     case DType::i64:
       return ncclInt64;
     default:

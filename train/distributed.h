@@ -170,11 +170,13 @@ class ProcessGroup {
   /// would otherwise wait for this one in their next collective. Does nothing in a world of one,
   /// or before the world was made.
   static void abort_if_distributed(int code);
+  enum class Ending { Clean, AfterError };
   /// Ends this process's part in the world (its NCCL communicator, then MPI): call it once, at the
   /// end of a program that made the world; after it, no collective may run. The group's
   /// destructor does it at exit otherwise, after other static objects (the CUDA runtime's) may
-  /// have gone.
-  void finalize();
+  /// have gone. AfterError (a shared error ends the program) aborts the NCCL communicator rather
+  /// than wait on the other ranks' part in its destruction.
+  void finalize(Ending ending = Ending::Clean);
 
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;

@@ -662,7 +662,7 @@ void layer_norm_forward(const StridedView& y, const StridedView& mean, const Str
   MB_ASSERT(x.is_contiguous() && y.is_contiguous() && mean.is_contiguous() && rstd.is_contiguous(),
             "layer_norm rows and statistics must be contiguous");
   const std::int64_t rows = mean.numel();
-  if (rows == 0) return;
+  if (rows == 0 || x.numel() == 0) return;  // the kernel reads each row's first element
   const std::int64_t cols = x.numel() / rows;
   dispatch_float(x.dtype, "layer_norm", [&]<class T>() {
     using A = compute_t<T>;
@@ -704,7 +704,7 @@ void layer_norm_backward(const StridedView& dx, const StridedView& dweight,
         MB_CUDA_CHECK_LAUNCH("layer_norm_dx_kernel");
       });
     }
-    if (!params || cols == 0) return;
+    if (!params || cols == 0 || rows == 0) return;  // as the CPU: no rows add nothing, not 0
     A* partial_w = workspace.ptr<A>();
     A* partial_b = partial_w + chunks * cols;
     if (chunks > 0) {

@@ -57,7 +57,8 @@ __device__ __forceinline__ bool gated_scale(double host_scale, const DeviceGate&
   return true;
 }
 
-/// One element of torch.optim.AdamW, operation for operation as cpu::adamw.
+/// One element of torch.optim.AdamW, operation for operation as cpu::adamw (this file is compiled
+/// with --fmad=false, so that nvcc fuses no multiply-add the CPU rounds twice).
 template <class C>
 __device__ __forceinline__ C adamw_element(C w, C grad, C& m, C& v, bool decay, const AdamWCoeffs<C>& k) {
   if (decay) w *= k.decay;  // decoupled decay first
