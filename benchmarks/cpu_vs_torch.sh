@@ -6,12 +6,19 @@
 # time (median over the timed steps, after the warm-up ones), tokens per second and every step's
 # loss, with the loss curves and step times drawn as SVG files.
 #
+# Then, where Open MPI's mpirun is found, the same training data-parallel over
+# MB_CPU_BENCH_PROCESSES processes (2; 0 skips it), each with threads / processes threads, both
+# sides started by mpirun: bench_gpt2_cuda summing its gradients over MPI, torch_gpt2.py with
+# DistributedDataParallel over gloo. The batch stays the step's whole batch (each rank takes its
+# share of the rows), so the losses are the one-process run's to rounding. Into OUTDIR/processesN,
+# compared there the same way.
+#
 #   bash benchmarks/cpu_vs_torch.sh BUILD_DIR OUTDIR
 #
 # BUILD_DIR holds bench_gpt2_cuda (a CUDA-enabled build configured with -DMB_BUILD_BENCHMARKS=ON;
 # its CPU mode needs no GPU). Environment: MB_CPU_BENCH_BATCH (32), MB_CPU_BENCH_STEPS (30),
-# MB_CPU_BENCH_WARMUP (3), MB_CPU_BENCH_THREADS (every core), MB_TORCH_PYTHON (/usr/bin/python3,
-# where Debian's python3-torch lives).
+# MB_CPU_BENCH_WARMUP (3), MB_CPU_BENCH_THREADS (every core), MB_CPU_BENCH_PROCESSES (2),
+# MB_TORCH_PYTHON (/usr/bin/python3, where Debian's python3-torch lives).
 #
 # A fair comparison (REFERENCE.md, "Fair CPU comparisons with PyTorch"): Debian's PyTorch calls the
 # system's libblas.so.3, so this refuses to run unless that is OpenBLAS, sets OpenBLAS's core type
@@ -74,3 +81,34 @@ rm -f "$out/gpt2.json" "$out/torch_gpt2.json"
   --tokens "$out/gpt2_tokens.safetensors" --batch "$batch" --steps "$steps" --warmup "$warmup" \
   --json "$out/torch_gpt2.json"
 python3 benchmarks/compare.py "$out" --json "$out/summary.json" --plots "$out/plots"
+
+processes="${MB_CPU_BENCH_PROCESSES:-2}"
+if [[ "$processes" == 0 ]]; then exit 0; fi
+if ! command -v mpirun > /dev/null; then
+  echo "cpu_vs_torch: no mpirun here (apt-get install openmpi-bin): the data-parallel runs are skipped"
+  exit 0
+fi
+if (( batch % processes != 0 )); then
+  echo "cpu_vs_torch: the batch of $batch does not split over $processes processes" >&2
+  exit 2
+fi
+rank_threads=$(( threads / processes > 0 ? threads / processes : 1 ))
+dp="$out/processes$processes"
+mkdir -p "$dp"
+rm -f "$dp/gpt2.json" "$dp/torch_gpt2.json"
+cat > "$dp/setup.json" <<JSON
+{"blas": "$blas", "openblas_coretype": "$coretype", "processes": $processes,
+ "threads_per_process": $rank_threads, "batch": $batch, "steps": $steps, "warmup": $warmup,
+ "launcher": "$(mpirun --version 2>&1 | head -n 1)", "torch_python": "$py"}
+JSON
+echo "cpu_vs_torch: $processes processes of $rank_threads threads each"
+# Open MPI wants to be told when it runs as root; -x hands the thread settings to every rank.
+mpi=(mpirun -np "$processes" -x OMP_NUM_THREADS="$rank_threads" -x OPENBLAS_NUM_THREADS="$rank_threads")
+if [[ -n "$coretype" ]]; then mpi+=(-x OPENBLAS_CORETYPE); fi
+if [[ $EUID -eq 0 ]]; then mpi+=(--allow-run-as-root); fi
+"${mpi[@]}" "$bench" --device cpu --model char --precision f32 --batch "$batch" --steps "$steps" \
+  --warmup "$warmup" --out-dir "$dp" --json "$dp/gpt2.json"
+"${mpi[@]}" "$py" benchmarks/torch_gpt2.py --device cpu --precision f32 \
+  --weights "$dp/gpt2_init.safetensors" --tokens "$dp/gpt2_tokens.safetensors" --batch "$batch" \
+  --steps "$steps" --warmup "$warmup" --json "$dp/torch_gpt2.json"
+python3 benchmarks/compare.py "$dp" --json "$dp/summary.json" --plots "$dp/plots"

@@ -36,6 +36,15 @@
 // and the other batch sizes still run; the JSON and --profile-out are rewritten after every run, so
 // that figures once measured survive a later failure or a time box. The exit status is then 1;
 // 2 for arguments it cannot use.
+//
+// Under a launcher (`mpirun -np W bench_gpt2_cuda ...`; Note [Data parallel] in
+// train/distributed.h) the W processes train data-parallel, as benchmarks/torch_gpt2.py does under
+// torchrun: B stays the whole batch of a step, each rank takes B / W of its rows (rank r the r-th
+// run of them) on its own device (cuda:(local rank), or the CPU), backward weighs its mean loss
+// by 1 / W, and the gradients are summed over the ranks (MPI on the CPU, NCCL on GPUs) before the
+// boundary step. Rank 0 alone writes the files and prints; the losses reported are the means over
+// the ranks, and the memory figures rank 0's. The steps are timed on rank 0, the sum included.
+// --profile is for one process.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -62,6 +71,7 @@
 #include "optim/optimizer.h"
 #include "optim/param_store.h"
 #include "optim/schedule.h"
+#include "train/distributed.h"
 
 namespace mb = microbatch;
 using mb::DType;
@@ -160,7 +170,8 @@ nlohmann::json run_json(const Run& r, std::int64_t t) {
 constexpr const char* kUsage =
     "usage: bench_gpt2_cuda [--json PATH] [--out-dir DIR] [--batch 8,16] [--steps N] [--warmup N]\n"
     "                       [--device cuda|cpu] [--model gpt2|char|tiny] [--precision bf16|f32]\n"
-    "                       [--profile] [--profile-steps N] [--profile-out PATH]\n";
+    "                       [--profile] [--profile-steps N] [--profile-out PATH]\n"
+    "  (under mpirun -np W: data-parallel over W processes, B rows a step in all)\n";
 
 }  // namespace
 
@@ -217,6 +228,33 @@ int main(int argc, char** argv) {
                  "(--device cpu --tiny runs the program's logic on the CPU)\n");
     return 2;
   }
+  mb::train::ProcessGroup& group = mb::train::ProcessGroup::world();
+  const int world = group.size();
+  if (world > 1) {
+    // An argument refused here is refused on every rank alike: each prints it and stops.
+    std::string refused;
+    if (profile) refused = "--profile is for one process, not a data-parallel run";
+    for (std::int64_t b : batches)
+      if (b % world != 0)
+        refused = fmt::format("--batch {} does not split over the {} processes", b, world);
+    if (!refused.empty()) {
+      if (group.is_main()) std::fprintf(stderr, "bench_gpt2_cuda: %s\n", refused.c_str());
+      group.finalize();
+      return 2;
+    }
+    try {
+      dev = mb::train::prepare_rank(group, dev, mb::train::DeviceIndex::Default, "auto");
+    } catch (const std::exception& e) {
+      // Refused on every rank (Note [Failing together]): said once; else this rank's own error.
+      const bool shared = mb::train::ProcessGroup::shared(std::current_exception());
+      if (!shared || group.is_main())
+        std::fprintf(stderr, "bench_gpt2_cuda: rank %d: %s\n", group.rank(), e.what());
+      if (!shared) mb::train::ProcessGroup::abort_if_distributed(1);
+      group.finalize(mb::train::ProcessGroup::Ending::AfterError);
+      return 1;
+    }
+  }
+  const bool main_rank = group.is_main();
   const auto [model_name, config] = model_named(model_arg);
   const DType compute_dtype = precision == "f32" ? DType::f32 : DType::bf16;
   const std::int64_t T = config.block_size;
@@ -236,6 +274,7 @@ int main(int argc, char** argv) {
        "AdamW lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0"},
       {"attention", attention_kernel_name(dev)},
       {"batches", batches},
+      {"processes", world},
       {"warmup", warmup},
       {"runs", nlohmann::json::array()}};
   std::vector<Run> runs;
@@ -244,6 +283,7 @@ int main(int argc, char** argv) {
   // Rewritten after every run, so that a later run's crash or the check's time box does not take
   // the figures of the earlier ones with it.
   auto write_outputs = [&] {
+    if (!main_rank) return;
     report["runs"] = nlohmann::json::array();
     for (const Run& r : runs) report["runs"].push_back(run_json(r, T));
     try {
@@ -276,17 +316,21 @@ int main(int argc, char** argv) {
     const mb::nn::StateDict initial = model.state_dict();
     const std::string weights_path =
         (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
-    mb::save_safetensors(weights_path, initial,
-                         {{"model", model_name},
-                          {"vocab_size", std::to_string(config.vocab_size)},
-                          {"block_size", std::to_string(config.block_size)},
-                          {"n_layer", std::to_string(config.n_layer)},
-                          {"n_head", std::to_string(config.n_head)},
-                          {"n_embd", std::to_string(config.n_embd)}});
+    // Every rank builds the same weights from the seed; rank 0 writes them.
+    if (main_rank)
+      mb::save_safetensors(weights_path, initial,
+                           {{"model", model_name},
+                            {"vocab_size", std::to_string(config.vocab_size)},
+                            {"block_size", std::to_string(config.block_size)},
+                            {"n_layer", std::to_string(config.n_layer)},
+                            {"n_head", std::to_string(config.n_head)},
+                            {"n_embd", std::to_string(config.n_embd)}});
     report["weights"] = weights_path;
-    std::printf("GPT %s (%s): %lld parameters on %s; initial weights in %s\n",
-                model_name.c_str(), precision.c_str(), static_cast<long long>(n_params),
-                mb::bench::device_name(dev).c_str(), weights_path.c_str());
+    if (main_rank)
+      std::printf("GPT %s (%s): %lld parameters on %s; initial weights in %s%s\n",
+                  model_name.c_str(), precision.c_str(), static_cast<long long>(n_params),
+                  mb::bench::device_name(dev).c_str(), weights_path.c_str(),
+                  world > 1 ? fmt::format("; {} processes", world).c_str() : "");
 
     mb::NamedTensorMap tokens;
     for (std::int64_t b : batches)
@@ -294,7 +338,7 @@ int main(int argc, char** argv) {
           synthetic_tokens(b, T, config.vocab_size, 1000 + static_cast<std::uint64_t>(b));
     const std::string tokens_path =
         (std::filesystem::path(out_dir) / "gpt2_tokens.safetensors").string();
-    mb::save_safetensors(tokens_path, tokens);
+    if (main_rank) mb::save_safetensors(tokens_path, tokens);
     report["tokens"] = tokens_path;
 
     model.to(dev);
@@ -311,7 +355,10 @@ int main(int argc, char** argv) {
         mb::empty_cache(dev);
         mb::reset_peak_memory_stats(dev);
         mb::optim::AdamW adamw(store, adamw_config);
-        const Tensor& batch = tokens.at("tokens_b" + std::to_string(B));
+        // This rank's rows of the step's B (all of them in one process).
+        const Tensor batch =
+            tokens.at("tokens_b" + std::to_string(B))
+                .slice(0, group.rank() * (B / world), (group.rank() + 1) * (B / world));
         const Tensor inputs = batch.slice(1, 0, T).contiguous().to(dev);      // (B, T)
         const Tensor labels = batch.slice(1, 1, T + 1).contiguous().to(dev);  // (B, T)
 
@@ -324,11 +371,18 @@ int main(int argc, char** argv) {
         mb::bench::RepTimer timer(dev);
         std::vector<std::pair<int, int>> marks;
         std::vector<Tensor> losses;  // () each, on the device
+        Tensor grads = store.grads();
         for (int i = 0; i < warmup + steps; ++i) {
           const int a = timer.mark();
           store.zero_grad();
           Tensor loss = model(inputs, labels).loss;
-          loss.backward();
+          if (world == 1) {
+            loss.backward();
+          } else {
+            // The mean over the ranks' rows: each rank's mean weighed by 1 / W, then summed.
+            (loss * (1.0 / world)).backward();
+            group.all_reduce_sum(grads);
+          }
           for (const mb::optim::StepOutcome& o : boundary.step(i + 1, mb::optim::Settle::Later))
             run.grad_norms.push_back(o.grad_norm);
           marks.emplace_back(a, timer.mark());
@@ -340,11 +394,13 @@ int main(int argc, char** argv) {
         for (std::size_t i = 0; i < marks.size(); ++i) {
           const double ms_step = timer.ms(marks[i].first, marks[i].second);
           if (i >= static_cast<std::size_t>(warmup)) ms.push_back(ms_step);
-          run.losses.push_back(losses[i].item());
+          const double loss = losses[i].item();
+          run.losses.push_back(world == 1 ? loss : group.all_reduce_sum(loss) / world);
           const double norm = i < run.grad_norms.size() ? run.grad_norms[i] : std::nan("");
-          std::printf("  B=%lld step %2zu: loss %.4f, grad norm %.3f, %.1f ms%s\n",
-                      static_cast<long long>(B), i, run.losses.back(), norm, ms_step,
-                      i < static_cast<std::size_t>(warmup) ? " (warm-up)" : "");
+          if (main_rank)
+            std::printf("  B=%lld step %2zu: loss %.4f, grad norm %.3f, %.1f ms%s\n",
+                        static_cast<long long>(B), i, run.losses.back(), norm, ms_step,
+                        i < static_cast<std::size_t>(warmup) ? " (warm-up)" : "");
         }
         run.wall_ms =
             timer.ms(marks[static_cast<std::size_t>(warmup)].first, marks.back().second) / steps;
@@ -393,6 +449,8 @@ int main(int argc, char** argv) {
         run.error = e.what();
         std::fprintf(stderr, "bench_gpt2_cuda: B=%lld failed: %s\n", static_cast<long long>(B),
                      e.what());
+        // The other ranks wait in a collective this rank left: the run ends here.
+        if (world > 1) mb::train::ProcessGroup::abort_if_distributed(1);
         if (profile)
           profile_tables += fmt::format("\nB={}: not profiled, the run failed: {}\n", B, e.what());
         failed = true;
@@ -403,14 +461,16 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     report["error"] = e.what();
     std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
+    if (world > 1) mb::train::ProcessGroup::abort_if_distributed(1);
     if (profile) profile_tables += fmt::format("\nnot profiled: {}\n", e.what());
     failed = true;
   }
 
-  if (!runs.empty())
+  if (!runs.empty() && main_rank)
     std::printf("\n%6s %12s %12s %14s %14s %10s\n", "batch", "step ms", "tokens/s", "peak alloc",
                 "peak reserved", "last loss");
   for (const Run& r : runs) {
+    if (!main_rank) break;
     if (!r.error.empty()) {
       std::printf("%6lld   failed: %s\n", static_cast<long long>(r.batch), r.error.c_str());
       continue;
@@ -420,5 +480,6 @@ int main(int argc, char** argv) {
                 mb::format_bytes(r.peak_reserved).c_str(), r.losses.back());
   }
   write_outputs();
+  group.finalize();
   return failed ? 1 : 0;
 }

@@ -25,6 +25,14 @@ A batch size whose run throws (out of memory at B = 16, say) is recorded in the 
 that figures once measured survive a later failure or a time box (as bench_gpt2_cuda's). The exit
 status is then 1.
 
+Under torchrun (`python3 -m torch.distributed.run --nproc_per_node W torch_gpt2.py ...`), or under
+Open MPI's mpirun on one machine (`mpirun -np W python3 torch_gpt2.py ...`, its rank and size taken
+for torch's; MASTER_ADDR and MASTER_PORT default to 127.0.0.1 and 29500), the W processes train
+data-parallel with DistributedDataParallel (gloo on the CPU, NCCL on GPUs, each rank
+on cuda:LOCAL_RANK), as bench_gpt2_cuda does under mpirun: B stays the whole batch of a step, rank r
+takes the r-th run of B / W rows, and DDP averages the gradients in backward. Rank 0 alone prints
+and writes the JSON; the losses are the means over the ranks, the memory figures rank 0's.
+
 The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
 """
 import argparse
@@ -37,6 +45,7 @@ import sys
 
 try:
     import torch
+    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch_timing import Timer
@@ -120,9 +129,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.float().view(B * T, -1), labels.reshape(B * T))
 
 
+def world():
+    """(rank, size) of the data-parallel run, (0, 1) for one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def run_batch(B, a, cfg, weights, tokens, device, autocast):
     """Trains the model at micro-batch B from the initial weights: one entry of the JSON's "runs"."""
     T = cfg["block_size"]
+    rank, size = world()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -130,8 +147,12 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
         raise SystemExit(f"torch_gpt2: weights do not match the model: missing {missing}, unexpected {unexpected}")
-    decay = [t for t in model.parameters() if t.dim() >= 2]
-    no_decay = [t for t in model.parameters() if t.dim() < 2]
+    params = list(model.parameters())
+    if size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None)
+    decay = [t for t in params if t.dim() >= 2]
+    no_decay = [t for t in params if t.dim() < 2]
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     fused = device.type == "cuda"
     try:
@@ -139,7 +160,8 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
     except TypeError:  # an old PyTorch without fused optimizers (CPU smoke runs only)
         fused = False
         opt = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.999), eps=1e-8)
-    batch = tokens[f"tokens_b{B}"].to(device)
+    rows = B // size  # this rank's rows of the step's B (all of them in one process)
+    batch = tokens[f"tokens_b{B}"][rank * rows:(rank + 1) * rows].to(device)
     timer = Timer(device)
     inputs, labels = batch[:, :T].contiguous(), batch[:, 1:].contiguous()
 
@@ -152,16 +174,21 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(inputs, labels)
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0))
         opt.step()
         marks.append((m0, timer.mark()))
         losses.append(loss.detach())
     times = [timer.ms(x, y) for x, y in marks]
+    if size > 1:  # the mean of the ranks' means (their rows hold as many tokens)
+        losses = torch.stack(losses).to(torch.float64)
+        dist.all_reduce(losses)
+        losses = losses / size
     losses = [float(x) for x in losses]
     norms = [float(x) for x in norms]
     for i, ms in enumerate(times):
-        print(f"  B={B} step {i:2d}: loss {losses[i]:.4f}, grad norm {norms[i]:.3f}, {ms:.1f} ms"
-              + (" (warm-up)" if i < a.warmup else ""))
+        if rank == 0:
+            print(f"  B={B} step {i:2d}: loss {losses[i]:.4f}, grad norm {norms[i]:.3f}, {ms:.1f} ms"
+                  + (" (warm-up)" if i < a.warmup else ""))
     span = timer.ms(marks[a.warmup][0], marks[-1][1]) / a.steps
     times = times[a.warmup:]
     med = statistics.median(times)
@@ -190,13 +217,34 @@ def main():
     if device.type == "cuda" and not torch.cuda.is_available():
         print("torch_gpt2: no CUDA device here (--device cpu runs the script's logic)", file=sys.stderr)
         return 2
+    env = os.environ
+    if "WORLD_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" in env:  # mpirun's names for torch's
+        env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
+        env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
+        env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", env["RANK"])
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", "29500")
+    size = int(env.get("WORLD_SIZE", "1"))
+    if size > 1:  # started by torchrun or mpirun: data-parallel
+        batches = [int(b) for b in a.batch.split(",")]
+        if any(b % size for b in batches):
+            print(f"torch_gpt2: --batch {a.batch} does not split over the {size} processes",
+                  file=sys.stderr)
+            return 2
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, size = world()
     weights, meta = read_safetensors(a.weights)
     tokens, _ = read_safetensors(a.tokens)
     cfg = {k: int(meta[k]) for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd")}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     model_name = meta.get("model") or ("gpt2_small" if cfg["n_layer"] == 12 and cfg["n_embd"] == 768 else "tiny")
     autocast = a.precision == "bf16"
-    print(f"torch_gpt2 on {name} with torch {torch.__version__}, {a.precision}: {cfg}")
+    if rank == 0:
+        print(f"torch_gpt2 on {name} with torch {torch.__version__}, {a.precision}: {cfg}"
+              + (f"; {size} processes" if size > 1 else ""))
     attention = "SDPA" if hasattr(F, "scaled_dot_product_attention") else "composed (no SDPA in this torch)"
     # load_state_dict (in run_batch) checks that the file's tensors are the model's parameters.
     out = dict(benchmark="gpt2", implementation="pytorch", torch=torch.__version__, device=name,
@@ -204,7 +252,7 @@ def main():
                precision=("f32 parameters and gradients, bf16 autocast, " if autocast
                           else "f32 parameters, activations and gradients, ") + attention,
                optimizer="AdamW(fused) lr 6e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1 on matrices; clip 1.0",
-               warmup=a.warmup, runs=[])
+               warmup=a.warmup, processes=size, runs=[])
     if device.type == "cpu":
         out["threads"] = torch.get_num_threads()
         out["openblas_coretype"] = os.environ.get("OPENBLAS_CORETYPE", "")
@@ -219,10 +267,16 @@ def main():
         except Exception as e:  # out of memory, a device fault: this batch size's error
             print(f"torch_gpt2: B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
             runs.append(dict(batch=B, error=f"{type(e).__name__}: {e}"))
-        if a.json:
+            if size > 1:  # the other ranks wait in a collective this one left
+                os._exit(1)
+        if a.json and rank == 0:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2)
 
+    if size > 1:
+        dist.destroy_process_group()
+    if rank != 0:
+        return 1 if any(r.get("error") for r in runs) else 0
     print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
     for r in runs:
         if r.get("error"):
