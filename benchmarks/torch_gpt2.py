@@ -25,8 +25,9 @@ A batch size whose run throws (out of memory at B = 16, say) is recorded in the 
 that figures once measured survive a later failure or a time box (as bench_gpt2_cuda's). The exit
 status is then 1.
 
-Under torchrun (`python3 -m torch.distributed.run --nproc_per_node W torch_gpt2.py ...`), or under
-Open MPI's mpirun on one machine (`mpirun -np W python3 torch_gpt2.py ...`, its rank and size taken
+Under torchrun (`python3 -m torch.distributed.run --nproc_per_node W torch_gpt2.py ...`; Debian's
+PyTorch 1.13 launcher fails under Python 3.11 before it starts a process), or under Open MPI's
+mpirun on one machine (`mpirun -np W python3 torch_gpt2.py ...`, its rank and size taken
 for torch's; MASTER_ADDR and MASTER_PORT default to 127.0.0.1 and 29500), the W processes train
 data-parallel with DistributedDataParallel (gloo on the CPU, NCCL on GPUs, each rank
 on cuda:LOCAL_RANK), as bench_gpt2_cuda does under mpirun: B stays the whole batch of a step, rank r
