@@ -84,8 +84,9 @@ python3 benchmarks/compare.py "$out" --json "$out/summary.json" --plots "$out/pl
 
 processes="${MB_CPU_BENCH_PROCESSES:-2}"
 if [[ "$processes" == 0 ]]; then exit 0; fi
-if ! command -v mpirun > /dev/null; then
-  echo "cpu_vs_torch: no mpirun here (apt-get install openmpi-bin): the data-parallel runs are skipped"
+if ! command -v mpirun > /dev/null || ! mpirun --version 2>&1 | grep -q "Open MPI"; then
+  echo "cpu_vs_torch: no Open MPI mpirun here (apt-get install openmpi-bin): the data-parallel" \
+       "runs are skipped"
   exit 0
 fi
 if (( batch % processes != 0 )); then
@@ -96,14 +97,19 @@ rank_threads=$(( threads / processes > 0 ? threads / processes : 1 ))
 dp="$out/processes$processes"
 mkdir -p "$dp"
 rm -f "$dp/gpt2.json" "$dp/torch_gpt2.json"
+# A port of its own for gloo's rendezvous, so that two runs on one machine do not meet.
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cat > "$dp/setup.json" <<JSON
 {"blas": "$blas", "openblas_coretype": "$coretype", "processes": $processes,
- "threads_per_process": $rank_threads, "batch": $batch, "steps": $steps, "warmup": $warmup,
- "launcher": "$(mpirun --version 2>&1 | head -n 1)", "torch_python": "$py"}
+ "threads_per_process": $rank_threads, "binding": "none", "batch": $batch, "steps": $steps,
+ "warmup": $warmup, "launcher": "$(mpirun --version 2>&1 | head -n 1)", "torch_python": "$py"}
 JSON
 echo "cpu_vs_torch: $processes processes of $rank_threads threads each"
-# Open MPI wants to be told when it runs as root; -x hands the thread settings to every rank.
-mpi=(mpirun -np "$processes" -x OMP_NUM_THREADS="$rank_threads" -x OPENBLAS_NUM_THREADS="$rank_threads")
+# Open MPI binds each of 2 ranks to one core by default, where a rank's threads would share it:
+# --bind-to none leaves them to the system, as one process's are. It wants to be told when it runs
+# as root; -x hands the thread settings and the port to every rank.
+mpi=(mpirun -np "$processes" --bind-to none -x OMP_NUM_THREADS="$rank_threads"
+     -x OPENBLAS_NUM_THREADS="$rank_threads" -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT="$port")
 if [[ -n "$coretype" ]]; then mpi+=(-x OPENBLAS_CORETYPE); fi
 if [[ $EUID -eq 0 ]]; then mpi+=(--allow-run-as-root); fi
 "${mpi[@]}" "$bench" --device cpu --model char --precision f32 --batch "$batch" --steps "$steps" \
@@ -111,4 +117,12 @@ if [[ $EUID -eq 0 ]]; then mpi+=(--allow-run-as-root); fi
 "${mpi[@]}" "$py" benchmarks/torch_gpt2.py --device cpu --precision f32 \
   --weights "$dp/gpt2_init.safetensors" --tokens "$dp/gpt2_tokens.safetensors" --batch "$batch" \
   --steps "$steps" --warmup "$warmup" --json "$dp/torch_gpt2.json"
+# Both sides ran in as many processes (a launcher that started each as a world of one would not).
+python3 - "$dp" "$processes" <<'PY'
+import json, sys
+for name in ("gpt2.json", "torch_gpt2.json"):
+    got = json.load(open(f"{sys.argv[1]}/{name}")).get("processes")
+    if got != int(sys.argv[2]):
+        sys.exit(f"cpu_vs_torch: {name} ran in {got} processes, not {sys.argv[2]}")
+PY
 python3 benchmarks/compare.py "$dp" --json "$dp/summary.json" --plots "$dp/plots"

@@ -44,7 +44,8 @@
 // by 1 / W, and the gradients are summed over the ranks (MPI on the CPU, NCCL on GPUs) before the
 // boundary step. Rank 0 alone writes the files and prints; the losses reported are the means over
 // the ranks, and the memory figures rank 0's. The steps are timed on rank 0, the sum included.
-// --profile is for one process.
+// --profile is for one process. A failure on any rank ends every rank (MPI_Abort), the batch
+// sizes after it not run; rank 0 writes its JSON first when the failure is its own.
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -228,7 +229,14 @@ int main(int argc, char** argv) {
                  "(--device cpu --tiny runs the program's logic on the CPU)\n");
     return 2;
   }
-  mb::train::ProcessGroup& group = mb::train::ProcessGroup::world();
+  mb::train::ProcessGroup* world_group = nullptr;
+  try {
+    world_group = &mb::train::ProcessGroup::world();
+  } catch (const std::exception& e) {  // launched as several processes by a build without MPI
+    std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
+    return 2;
+  }
+  mb::train::ProcessGroup& group = *world_group;
   const int world = group.size();
   if (world > 1) {
     // An argument refused here is refused on every rank alike: each prints it and stops.
@@ -243,7 +251,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     try {
-      dev = mb::train::prepare_rank(group, dev, mb::train::DeviceIndex::Default, "auto");
+      // `--device cuda:N` keeps N on every rank; `cuda` is cuda:(local rank).
+      const auto index = device_arg.find(':') != std::string::npos
+                             ? mb::train::DeviceIndex::Named
+                             : mb::train::DeviceIndex::Default;
+      dev = mb::train::prepare_rank(group, dev, index, "auto");
     } catch (const std::exception& e) {
       // Refused on every rank (Note [Failing together]): said once; else this rank's own error.
       const bool shared = mb::train::ProcessGroup::shared(std::current_exception());
@@ -449,11 +461,16 @@ int main(int argc, char** argv) {
         run.error = e.what();
         std::fprintf(stderr, "bench_gpt2_cuda: B=%lld failed: %s\n", static_cast<long long>(B),
                      e.what());
-        // The other ranks wait in a collective this rank left: the run ends here.
-        if (world > 1) mb::train::ProcessGroup::abort_if_distributed(1);
         if (profile)
           profile_tables += fmt::format("\nB={}: not profiled, the run failed: {}\n", B, e.what());
         failed = true;
+        if (world > 1) {
+          // The other ranks wait in a collective this rank left: the run ends here, rank 0's JSON
+          // written first when the failure is its own.
+          runs.push_back(std::move(run));
+          write_outputs();
+          mb::train::ProcessGroup::abort_if_distributed(1);
+        }
       }
       runs.push_back(std::move(run));
       write_outputs();
@@ -461,9 +478,12 @@ int main(int argc, char** argv) {
   } catch (const std::exception& e) {
     report["error"] = e.what();
     std::fprintf(stderr, "bench_gpt2_cuda: %s\n", e.what());
-    if (world > 1) mb::train::ProcessGroup::abort_if_distributed(1);
     if (profile) profile_tables += fmt::format("\nnot profiled: {}\n", e.what());
     failed = true;
+    if (world > 1) {
+      write_outputs();
+      mb::train::ProcessGroup::abort_if_distributed(1);
+    }
   }
 
   if (!runs.empty() && main_rank)

@@ -32,7 +32,9 @@ for torch's; MASTER_ADDR and MASTER_PORT default to 127.0.0.1 and 29500), the W 
 data-parallel with DistributedDataParallel (gloo on the CPU, NCCL on GPUs, each rank
 on cuda:LOCAL_RANK), as bench_gpt2_cuda does under mpirun: B stays the whole batch of a step, rank r
 takes the r-th run of B / W rows, and DDP averages the gradients in backward. Rank 0 alone prints
-and writes the JSON; the losses are the means over the ranks, the memory figures rank 0's.
+and writes the JSON; the losses are the means over the ranks, the memory figures rank 0's. A
+failure on any rank ends every rank, the batch sizes after it not run (rank 0 writes its JSON
+first when the failure is its own).
 
 The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
 """
@@ -268,11 +270,13 @@ def main():
         except Exception as e:  # out of memory, a device fault: this batch size's error
             print(f"torch_gpt2: B={B} failed: {type(e).__name__}: {e}", file=sys.stderr)
             runs.append(dict(batch=B, error=f"{type(e).__name__}: {e}"))
-            if size > 1:  # the other ranks wait in a collective this one left
-                os._exit(1)
         if a.json and rank == 0:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=2)
+        if size > 1 and runs[-1].get("error"):
+            # The other ranks wait in a collective this one left: the launcher ends them all.
+            sys.stdout.flush()
+            os._exit(1)
 
     if size > 1:
         dist.destroy_process_group()
