@@ -26,11 +26,11 @@ that figures once measured survive a later failure or a time box (as bench_gpt2_
 status is then 1.
 
 Under torchrun (`python3 -m torch.distributed.run --nproc_per_node W torch_gpt2.py ...`; Debian's
-PyTorch 1.13 launcher fails under Python 3.11 before it starts a process), or under Open MPI's
-mpirun on one machine (`mpirun -np W python3 torch_gpt2.py ...`, its rank and size taken
-for torch's; MASTER_ADDR and MASTER_PORT default to 127.0.0.1 and 29500), the W processes train
-data-parallel with DistributedDataParallel (gloo on the CPU, NCCL on GPUs, each rank
-on cuda:LOCAL_RANK), as bench_gpt2_cuda does under mpirun: B stays the whole batch of a step, rank r
+PyTorch 1.13 launcher fails under Python 3.11 before it starts a process), or under mpirun on one
+machine (`mpirun -np W python3 torch_gpt2.py ...`: Open MPI's or MPICH's rank and size are taken
+for torch's, and MASTER_ADDR and MASTER_PORT default to 127.0.0.1 and 29500), the W processes
+train data-parallel with DistributedDataParallel (gloo on the CPU, NCCL on GPUs, each rank on
+cuda:LOCAL_RANK), as bench_gpt2_cuda does under mpirun: B stays the whole batch of a step, rank r
 takes the r-th run of B / W rows, and DDP averages the gradients in backward. Rank 0 alone prints
 and writes the JSON; the losses are the means over the ranks, the memory figures rank 0's. A
 failure on any rank ends every rank, the batch sizes after it not run (rank 0 writes its JSON
@@ -221,12 +221,16 @@ def main():
         print("torch_gpt2: no CUDA device here (--device cpu runs the script's logic)", file=sys.stderr)
         return 2
     env = os.environ
-    if "WORLD_SIZE" not in env and "OMPI_COMM_WORLD_SIZE" in env:  # mpirun's names for torch's
-        env["WORLD_SIZE"] = env["OMPI_COMM_WORLD_SIZE"]
-        env["RANK"] = env["OMPI_COMM_WORLD_RANK"]
-        env["LOCAL_RANK"] = env.get("OMPI_COMM_WORLD_LOCAL_RANK", env["RANK"])
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", "29500")
+    # mpirun's names for torch's: Open MPI's, then MPICH's Hydra (as bench_gpt2_cuda reads them).
+    for size_name, rank_name, local_name in (
+            ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID")):
+        if "WORLD_SIZE" not in env and size_name in env:
+            env["WORLD_SIZE"] = env[size_name]
+            env["RANK"] = env.get(rank_name, "0")
+            env["LOCAL_RANK"] = env.get(local_name, env["RANK"])
+            env.setdefault("MASTER_ADDR", "127.0.0.1")
+            env.setdefault("MASTER_PORT", "29500")
     size = int(env.get("WORLD_SIZE", "1"))
     if size > 1:  # started by torchrun or mpirun: data-parallel
         batches = [int(b) for b in a.batch.split(",")]
