@@ -21,7 +21,6 @@
 #endif
 #ifdef MB_HAVE_NCCL
 #include <nccl.h>
-#include <unistd.h>
 
 #include <functional>
 #include <string>
@@ -92,18 +91,15 @@ namespace {
 // NCCL takes one GPU a rank, and refuses ranks that share one inside ncclCommInitRank, where a
 // rank that fails leaves the others waiting. Ranks whose CUDA_VISIBLE_DEVICES or `cuda:N` named the
 // same GPU of the same machine are refused here instead, on every rank alike (Note [Failing
-// together]). A rank's GPU is known by its host's name and the device's UUID, as a hash.
+// together]). A rank's GPU is known by its UUID (unique across machines), as a hash.
 void refuse_shared_gpus(ProcessGroup& group, Device device) {
   if (group.size() == 1) return;
   std::int64_t key = 0;
   group.together("naming its GPU", [&] {
     cudaDeviceProp prop{};
     MB_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index));
-    char host[256] = {};
-    gethostname(host, sizeof host - 1);
-    const std::string name =
-        std::string(host) + '/' + std::string(prop.uuid.bytes, sizeof prop.uuid.bytes);
-    key = static_cast<std::int64_t>(std::hash<std::string>{}(name));
+    key = static_cast<std::int64_t>(std::hash<std::string>{}(
+        std::string(prop.uuid.bytes, sizeof prop.uuid.bytes)));
   });
   const std::vector<std::int64_t> keys = group.all_gather({key, device.index});
   group.together("comparing its GPU with the other ranks'", [&] {
@@ -128,7 +124,7 @@ struct ProcessGroup::Nccl {
   int device = 0;
   // After an error the communicator is aborted: ncclCommDestroy may wait for the other ranks, or
   // for work that a failed device will not finish.
-  void abort() {
+  void abort_communicator() {
     if (comm != nullptr) ncclCommAbort(comm);
     comm = nullptr;
   }
@@ -191,7 +187,7 @@ ProcessGroup::~ProcessGroup() { finalize(); }
 
 void ProcessGroup::finalize(Ending ending) {
 #ifdef MB_HAVE_NCCL
-  if (nccl_ && ending == Ending::AfterError) nccl_->abort();
+  if (nccl_ && ending == Ending::AfterError) nccl_->abort_communicator();
 #else
   (void)ending;
 #endif
