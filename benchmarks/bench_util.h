@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -21,6 +22,10 @@
 #include "core/tensor.h"
 #include "kernels/cuda/runtime.h"  // current_stream(); host declarations only
 #include "kernels/device.h"
+
+#if defined(__GLIBC__)
+#include <malloc.h>  // malloc_trim
+#endif
 
 namespace microbatch::bench {
 
@@ -195,6 +200,47 @@ inline std::string device_name(Device device) {
   cudaDeviceProp prop{};
   MB_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index));
   return prop.name;
+}
+
+/// The process's resident memory in bytes, as Linux's /proc/self/status gives it: VmRSS now and its
+/// high-water mark VmHWM; -1 each where that file or the line is missing. The CPU runs' memory
+/// figure, which benchmarks/torch_gpt2.py takes the same way for PyTorch (whose CPU allocator keeps
+/// no statistics): resident bytes, so a caching allocator's cache and malloc's kept pages count.
+struct ResidentMemory {
+  std::int64_t current = -1;
+  std::int64_t peak = -1;
+};
+
+inline ResidentMemory resident_memory() {
+  ResidentMemory m;
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    for (auto [key, field] : {std::pair{"VmRSS:", &m.current}, std::pair{"VmHWM:", &m.peak}}) {
+      if (line.rfind(key, 0) != 0) continue;
+      long long kib = 0;
+      if (std::sscanf(line.c_str() + std::strlen(key), "%lld", &kib) == 1) *field = kib * 1024;
+    }
+  }
+  return m;
+}
+
+/// Hands the C heap's free pages back to the system (glibc's malloc_trim), so that a run's baseline
+/// is not raised by what an earlier run freed and malloc kept; torch_gpt2.py does the same.
+inline void release_free_heap() {
+#if defined(__GLIBC__)
+  malloc_trim(0);
+#endif
+}
+
+/// Sets the high-water mark to the current resident size (writing "5" to /proc/self/clear_refs,
+/// Linux 4.0 and later), so that a later resident_memory().peak is the peak since now. False
+/// where the kernel refuses it; the peak then counts from the process's start.
+inline bool reset_resident_peak() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return out.good();
 }
 
 inline void write_json(const std::string& path, const nlohmann::json& j) {

@@ -21,6 +21,9 @@ same way, beside gpt2.json's failures. Planner: the measured peak must stay with
 the predicted one within 5% of it. A target whose PyTorch figure is missing (a PyTorch run that
 failed; its peak memory on the CPU) is shown as "-" and named as not checked. Attention (ours /
 PyTorch SDPA time, and how far our two kernels are apart) has no target: it changes no outcome.
+Neither has memory on the CPU, where PyTorch keeps no allocator statistics: where both GPT runs
+recorded the growth of their process's resident memory (host_rss_growth_bytes), it is shown below
+the run's row and plotted in place of the allocator's peak.
 
   python3 benchmarks/compare.py DIR [--json PATH] [--plots PLOTDIR]
       exit status 1 when a target or a check fails. --json writes the summary as standard JSON (a
@@ -242,7 +245,14 @@ def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
               f"{fmt(mem_ratio, '.3f'):>10}{fmt(first, '.4f'):>14}"
               f"{fmt(first_torch, '.4f'):>9}"
               f"{fmt(max_diff, '.4f'):>12}  {result}")
+        host = host_memory(r, t)
+        if host:
+            print(f"  {'':>5}  on the CPU, resident memory's growth over the run (no target): ours "
+                  f"{fmt(mib(host[0]), '.1f')} MiB, PyTorch {fmt(mib(host[1]), '.1f')} MiB, ratio "
+                  f"{fmt(ratio(*host), '.3f')}")
         out[str(r.get("batch"))] = dict(
+            ours_host_rss_growth=host[0] if host else None, torch_host_rss_growth=host[1] if host else None,
+            host_memory_ratio=ratio(*host) if host else None,
             ours_step_ms=r.get("step_ms_median"), torch_step_ms=t.get("step_ms_median"),
             ours_tokens_per_s=r.get("tokens_per_s"),
             torch_tokens_per_s=t.get("tokens_per_s"), tokens_per_s_ratio=tok_ratio,
@@ -251,6 +261,14 @@ def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
             max_loss_difference=max_diff, losses_agree=losses_ok, no_slower_than_torch=faster,
             no_more_memory_than_torch=smaller, result=result)
     return ok
+
+
+def host_memory(r, t):
+    """(ours, PyTorch's) growth of resident memory over a CPU run, or None unless both recorded
+    one: PyTorch keeps no allocator statistics on the CPU, so both sides' processes are measured
+    alike (host_rss_growth_bytes: the peak over the steps less the size before the model)."""
+    pair = tuple(finite(x.get("host_rss_growth_bytes")) for x in (r, t))
+    return pair if None not in pair else None
 
 
 def attention_figures(j):
@@ -435,19 +453,25 @@ def plot_gpt2_step(ours, torch_, path):
         notes.append("torch_gpt2.json: not found (ours only)")
     mine = {r.get("batch"): r for r in runs_of(ours) if not r.get("error")}
     batches = list(mine) + [b for b in theirs if b not in mine]
+    memory = ("peak allocated memory", "GiB", "peak_allocated_bytes", gib)
+    memory_note = "the allocator's peak allocated memory (PyTorch: max_memory_allocated)"
     if torch_ and not any(finite(r.get("peak_allocated_bytes")) is not None for r in theirs.values()):
-        notes.append("PyTorch's peak memory is recorded on CUDA only (n/a)")
+        if all(host_memory(mine[b], theirs[b]) for b in mine if b in theirs) and set(mine) & set(theirs):
+            # On the CPU: both processes' resident memory, measured alike.
+            memory = ("growth of resident memory", "MiB", "host_rss_growth_bytes", mib)
+            memory_note = "the growth of each process's resident memory over the run"
+        else:
+            notes.append("PyTorch's peak memory is recorded on CUDA only (n/a)")
     categories = [f"B = {b}" for b in batches]
     w, h, left = max(240, 115 * len(batches)), 250, 80
     width = 2 * (left + w) + 40
     title = (f"GPT ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
              f"{on_devices(ours, torch_)}")
-    fig = Figure(width, title, "Median time per optimizer step after the warm-up and the allocator's peak "
-                               "allocated memory (PyTorch: max_memory_allocated); lower is better")
+    fig = Figure(width, title, f"Median time per optimizer step after the warm-up and {memory_note}; "
+                               "lower is better")
     fig.legend([("ours", OURS, "box")] + ([("PyTorch", TORCH, "box")] if torch_ else []))
     y = fig.top + 25
-    panels = [("median step time", "ms", "step_ms_median", finite),
-              ("peak allocated memory", "GiB", "peak_allocated_bytes", gib)]
+    panels = [("median step time", "ms", "step_ms_median", finite), memory]
     for i, (panel, unit, key, scale) in enumerate(panels):
         series = [("ours", OURS, [scale((mine.get(b) or {}).get(key)) for b in batches])]
         if torch_:

@@ -3,8 +3,10 @@
 # layers, 4 heads, 128 wide; 0.8M parameters), trained in f32 with AdamW and clipping at 1.0 from
 # the same initial weights on the same tokens, by bench_gpt2_cuda --device cpu and by
 # benchmarks/torch_gpt2.py --device cpu, then set side by side by benchmarks/compare.py: the step
-# time (median over the timed steps, after the warm-up ones), tokens per second and every step's
-# loss, with the loss curves and step times drawn as SVG files.
+# time (median over the timed steps, after the warm-up ones), tokens per second, every step's loss
+# and the growth of each process's resident memory over the run (PyTorch keeps no allocator
+# statistics on the CPU, so both processes are measured alike), with the loss curves, step times
+# and memory drawn as SVG files.
 #
 # Then, where Open MPI's mpirun is found, the same training data-parallel over
 # MB_CPU_BENCH_PROCESSES processes (2; 0 skips it), each with threads / processes threads, both

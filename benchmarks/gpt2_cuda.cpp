@@ -24,7 +24,9 @@
 // between two cudaEvents on the current stream; step_ms_mean_span is the timed steps' whole span
 // on the stream divided by their number (gaps between steps included). Memory: the allocator's peak
 // allocated and reserved bytes since the model was built (memory_stats); cuBLAS's workspace is
-// taken by cudaMalloc outside the allocator and is not in them.
+// taken by cudaMalloc outside the allocator and is not in them. On the CPU also the growth of the
+// process's resident memory: its peak over the steps less its size before the run's model was
+// built (host_rss_growth_bytes), which torch_gpt2.py measures alike for PyTorch.
 //
 // --profile runs --profile-steps more steps per batch size after the timed ones, their figures
 // already taken, with the op profiler on (core/profiler.h), and prints the table: calls and self
@@ -139,6 +141,9 @@ struct Run {
   std::vector<double> grad_norms;
   double wall_ms = 0.0;  // the timed steps' span on the stream, per step
   std::int64_t peak_allocated = 0, peak_reserved = 0;
+  // On the CPU: the process's resident bytes before the run's model was built, and their peak over
+  // the steps (bench_util.h, ResidentMemory); -1 on a GPU or where Linux's figures are missing.
+  std::int64_t rss_before = -1, rss_peak = -1;
   nlohmann::json profile;  // ProfileReport::to_json() of the profiled steps, and "steps"; or null
   std::string profile_error;  // why the profiled steps stopped; the figures above stand
 };
@@ -163,6 +168,11 @@ nlohmann::json run_json(const Run& r, std::int64_t t) {
                       {"peak_reserved_bytes", r.peak_reserved},
                       {"losses", r.losses},
                       {"grad_norms", r.grad_norms}};
+  if (r.rss_peak >= 0) {
+    j["host_rss_before_bytes"] = r.rss_before;
+    j["host_peak_rss_bytes"] = r.rss_peak;
+    j["host_rss_growth_bytes"] = r.rss_peak - r.rss_before;
+  }
   if (!r.profile.is_null()) j["profile"] = r.profile;
   if (!r.profile_error.empty()) j["profile_error"] = r.profile_error;
   return j;
@@ -320,12 +330,17 @@ int main(int argc, char** argv) {
 #endif
     std::filesystem::create_directories(out_dir);
 
-    // The model, built and initialized on the CPU (GPT-2's init), then its weights exported.
+    // The model, built and initialized on the CPU (GPT-2's init), then its weights exported; each
+    // batch size trains a model of its own from them.
     mb::manual_seed(42);
-    mb::nn::GPT model(config);
-    const std::int64_t n_params = model.num_parameters();
+    std::int64_t n_params = 0;
+    mb::nn::StateDict initial;
+    {
+      mb::nn::GPT model(config);
+      n_params = model.num_parameters();
+      initial = model.state_dict();
+    }
     report["parameters"] = n_params;
-    const mb::nn::StateDict initial = model.state_dict();
     const std::string weights_path =
         (std::filesystem::path(out_dir) / "gpt2_init.safetensors").string();
     // Every rank builds the same weights from the seed; rank 0 writes them.
@@ -353,18 +368,22 @@ int main(int argc, char** argv) {
     if (main_rank) mb::save_safetensors(tokens_path, tokens);
     report["tokens"] = tokens_path;
 
-    model.to(dev);
-    mb::optim::ParamStore store(model, {.compute_dtype = compute_dtype});
     const mb::optim::AdamWConfig adamw_config{.lr = 6e-4, .weight_decay = 0.1};
     const double max_grad_norm = 1.0;
 
     for (std::int64_t B : batches) {
       Run run{.batch = B};
       try {
-        // Every batch size starts from the same weights, fresh moments and an empty cache.
-        store.load_master_state(initial);
-        store.zero_grad();
+        // Every batch size starts from the same weights, with a model, arenas and moments of its
+        // own and an empty cache, as torch_gpt2.py builds its model per batch size. The resident
+        // memory before the model is the baseline of the CPU runs' memory figure.
         mb::empty_cache(dev);
+        mb::bench::release_free_heap();
+        const mb::bench::ResidentMemory before = mb::bench::resident_memory();
+        mb::nn::GPT model(config);
+        model.load_state_dict(initial);
+        model.to(dev);
+        mb::optim::ParamStore store(model, {.compute_dtype = compute_dtype});
         mb::reset_peak_memory_stats(dev);
         mb::optim::AdamW adamw(store, adamw_config);
         // This rank's rows of the step's B (all of them in one process).
@@ -384,6 +403,9 @@ int main(int argc, char** argv) {
         std::vector<std::pair<int, int>> marks;
         std::vector<Tensor> losses;  // () each, on the device
         Tensor grads = store.grads();
+        // The peak counts from here: the transient second copy of the weights while the store
+        // took them over is not training's (PyTorch's model has none).
+        const bool rss_peak_reset = !dev.is_cuda() && mb::bench::reset_resident_peak();
         for (int i = 0; i < warmup + steps; ++i) {
           const int a = timer.mark();
           store.zero_grad();
@@ -420,6 +442,13 @@ int main(int argc, char** argv) {
         const mb::MemoryStats stats = mb::memory_stats(dev);
         run.peak_allocated = stats.allocated.peak;
         run.peak_reserved = stats.reserved.peak;
+        if (rss_peak_reset) {
+          const mb::bench::ResidentMemory after = mb::bench::resident_memory();
+          if (before.current >= 0 && after.peak >= 0) {
+            run.rss_before = before.current;
+            run.rss_peak = after.peak;
+          }
+        }
 
         if (profile) {
           // The same steps as above, after the timed ones, with the profiler on; the profiler's
@@ -487,17 +516,18 @@ int main(int argc, char** argv) {
   }
 
   if (!runs.empty() && main_rank)
-    std::printf("\n%6s %12s %12s %14s %14s %10s\n", "batch", "step ms", "tokens/s", "peak alloc",
-                "peak reserved", "last loss");
+    std::printf("\n%6s %12s %12s %14s %14s %14s %10s\n", "batch", "step ms", "tokens/s",
+                "peak alloc", "peak reserved", "RSS growth", "last loss");
   for (const Run& r : runs) {
     if (!main_rank) break;
     if (!r.error.empty()) {
       std::printf("%6lld   failed: %s\n", static_cast<long long>(r.batch), r.error.c_str());
       continue;
     }
-    std::printf("%6lld %12.1f %12.0f %14s %14s %10.4f\n", static_cast<long long>(r.batch),
+    const std::string rss = r.rss_peak >= 0 ? mb::format_bytes(r.rss_peak - r.rss_before) : "-";
+    std::printf("%6lld %12.1f %12.0f %14s %14s %14s %10.4f\n", static_cast<long long>(r.batch),
                 r.step.median_ms, tokens_per_s(r, T), mb::format_bytes(r.peak_allocated).c_str(),
-                mb::format_bytes(r.peak_reserved).c_str(), r.losses.back());
+                mb::format_bytes(r.peak_reserved).c_str(), rss.c_str(), r.losses.back());
   }
   write_outputs();
   group.finalize();

@@ -18,7 +18,10 @@ the model was built.
 
 --precision f32 trains without autocast (the CPU comparison, benchmarks/cpu_vs_torch.sh). On the
 CPU a step's time is host time, the run records torch's thread count and the OpenBLAS settings it
-ran with, and there is no peak memory: PyTorch keeps no allocator statistics for the CPU.
+ran with, and there is no allocator peak (PyTorch keeps no allocator statistics for the CPU):
+memory is the growth of the process's resident memory instead, its peak over the steps (Linux's
+VmHWM, reset once the optimizer is built) less its size before the run's model was built
+(host_rss_growth_bytes), as bench_gpt2_cuda measures its own.
 
 A batch size whose run throws (out of memory at B = 16, say) is recorded in the JSON as
 {"batch", "error"} and the other batch sizes still run; the JSON is rewritten after every run, so
@@ -39,6 +42,8 @@ first when the failure is its own).
 The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
 """
 import argparse
+import ctypes
+import gc
 import json
 import math
 import os
@@ -139,6 +144,40 @@ def world():
     return 0, 1
 
 
+def resident_memory():
+    """(VmRSS, VmHWM) of this process in bytes, from Linux's /proc/self/status; None each where
+    missing. bench_gpt2_cuda reads the same lines (benchmarks/bench_util.h, ResidentMemory)."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM") and rest.split():
+                    found[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return found.get("VmRSS"), found.get("VmHWM")
+
+
+def release_free_heap():
+    """Hands the C heap's free pages back to the system (glibc's malloc_trim), as bench_gpt2_cuda
+    does before its baseline: what an earlier run freed and malloc kept would raise it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_resident_peak():
+    """Sets VmHWM to the current resident size (Linux 4.0 and later); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def run_batch(B, a, cfg, weights, tokens, device, autocast):
     """Trains the model at micro-batch B from the initial weights: one entry of the JSON's "runs"."""
     T = cfg["block_size"]
@@ -146,6 +185,9 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    gc.collect()  # the last batch size's model and optimizer
+    release_free_heap()
+    rss_before, _ = resident_memory()  # the CPU runs' baseline, as bench_gpt2_cuda's
     model = GPT(**cfg).to(device)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if missing or unexpected:
@@ -171,6 +213,9 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
     # No host synchronisation inside the timed steps (as bench_gpt2_cuda): events around each
     # step, losses and norms read at the end.
     marks, losses, norms = [], [], []
+    # The peak counts from here, as bench_gpt2_cuda's: the model is built; the gradients and the
+    # optimizer's state are allocated by the first step.
+    rss_peak_reset = device.type == "cpu" and reset_resident_peak()
     for i in range(a.warmup + a.steps):
         m0 = timer.mark()
         opt.zero_grad(set_to_none=True)
@@ -182,6 +227,7 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
         marks.append((m0, timer.mark()))
         losses.append(loss.detach())
     times = [timer.ms(x, y) for x, y in marks]
+    rss_peak = resident_memory()[1] if rss_peak_reset else None
     if size > 1:  # the mean of the ranks' means (their rows hold as many tokens)
         losses = torch.stack(losses).to(torch.float64)
         dist.all_reduce(losses)
@@ -202,6 +248,9 @@ def run_batch(B, a, cfg, weights, tokens, device, autocast):
     if device.type == "cuda":
         run["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         run["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if rss_before is not None and rss_peak is not None:
+        run.update(host_rss_before_bytes=rss_before, host_peak_rss_bytes=rss_peak,
+                   host_rss_growth_bytes=rss_peak - rss_before)
     return run
 
 
@@ -286,15 +335,17 @@ def main():
         dist.destroy_process_group()
     if rank != 0:
         return 1 if any(r.get("error") for r in runs) else 0
-    print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'last loss':>10}")
+    print(f"\n{'batch':>6} {'step ms':>12} {'tokens/s':>12} {'peak alloc MiB':>15} {'RSS growth MiB':>15} "
+          f"{'last loss':>10}")
     for r in runs:
         if r.get("error"):
             print(f"{r['batch']:>6}  failed: {r['error']}")
             continue
-        peak = r.get("peak_allocated_bytes")
-        peak = "-" if peak is None else f"{peak / 2**20:.1f}"  # none on the CPU
+        peak, rss = (r.get(k) for k in ("peak_allocated_bytes", "host_rss_growth_bytes"))
+        peak = "-" if peak is None else f"{peak / 2**20:.1f}"  # on CUDA only
+        rss = "-" if rss is None else f"{rss / 2**20:.1f}"  # on the CPU only
         print(f"{r['batch']:>6} {r['step_ms_median']:>12.1f} {r['tokens_per_s']:>12.0f} "
-              f"{peak:>15} {r['losses'][-1]:>10.4f}")
+              f"{peak:>15} {rss:>15} {r['losses'][-1]:>10.4f}")
     if a.json:
         print("wrote", a.json)
     return 1 if any(r.get("error") for r in runs) else 0

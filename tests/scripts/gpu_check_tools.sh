@@ -211,6 +211,30 @@ check "a planner prediction 20% off fails (got $(rc_of planner_off))" test "$(rc
 check "the planner's row says so" json "$WORK/planner_off/compare.json" \
   'j["planner"]["8GiB"]["fits"] and j["planner"]["8GiB"]["predicted_within_tolerance"] is False'
 
+# On the CPU (as the fixtures' runs were), PyTorch has no allocator peak: where both sides recorded
+# the growth of their resident memory, it is set side by side (no target) and plotted instead.
+variant cpu_memory '
+g, t = J("gpt2.json"), J("torch_gpt2.json")
+for r, q, mine, theirs in zip(g["runs"], t["runs"], (30, 50), (40, 45)):
+    r["host_rss_growth_bytes"], q["host_rss_growth_bytes"] = mine << 20, theirs << 20
+W("gpt2.json", g); W("torch_gpt2.json", t)
+'
+check "the CPU's resident memory is set side by side" json "$WORK/cpu_memory/compare.json" \
+  '[(j["gpt2"][b]["ours_host_rss_growth"], j["gpt2"][b]["torch_host_rss_growth"], j["gpt2"][b]["host_memory_ratio"]) for b in ("2", "4")] == [(30 << 20, 40 << 20, 0.75), (50 << 20, 45 << 20, 50 / 45)]'
+check "it changes no verdict: peak memory stays not checked" json "$WORK/cpu_memory/compare.json" \
+  'any("micro-batch 2 peak memory" in n for n in j["not_checked"])'
+check "the console shows it" grep -q "resident memory's growth over the run (no target): ours 30.0 MiB, PyTorch 40.0 MiB, ratio 0.750" "$WORK/cpu_memory.log"
+check "the step plot draws it in place of the allocator's peak" grep -q "growth of resident memory" "$WORK/cpu_memory/plots/gpt2_step.svg"
+variant cpu_memory_ours_only '
+g = J("gpt2.json")
+for r in g["runs"]:
+    r["host_rss_growth_bytes"] = 30 << 20
+W("gpt2.json", g)
+'
+check "with PyTorch's figure missing, no side by side" json "$WORK/cpu_memory_ours_only/compare.json" \
+  'j["gpt2"]["2"]["host_memory_ratio"] is None'
+check "and the plot says PyTorch's peak is n/a" grep -q "recorded on CUDA only" "$WORK/cpu_memory_ours_only/plots/gpt2_step.svg"
+
 # The tensor-core GPT-2 run failed at every micro-batch; the check's rerun on the f32-math attention
 # measured them: both files are compared, the rerun's rows labelled as such.
 variant simt "$PASSING"'
@@ -551,6 +575,8 @@ EOF
   check "torch_gpt2.py: a failed batch size fails the run (got $rc)" test "$rc" -eq 1
   check "torch_gpt2.py: it is recorded, and the others measured" json "$WORK/torch/gpt2.json" \
     '[sorted(r) == ["batch", "error"] for r in j["runs"]] == [False, True, False] and j["runs"][2]["step_ms_median"] > 0'
+  check "torch_gpt2.py: on the CPU a measured run records its resident memory's growth" json "$WORK/torch/gpt2.json" \
+    'all(r["host_rss_growth_bytes"] == r["host_peak_rss_bytes"] - r["host_rss_before_bytes"] > 0 for r in j["runs"] if "error" not in r)'
   # The cross-entropy throws, as under a device fault: the kernels before it are kept.
   "$TORCH_PY" - "$ROOT/benchmarks" "$WORK/torch/kernels.json" >"$WORK/torch_kernels.log" 2>&1 <<'EOF'
 import sys
