@@ -13,8 +13,30 @@ import json, math, sys
 j = json.load(open(sys.argv[1]))
 n = j["parameters"]
 assert [r["batch"] for r in j["runs"]] == [2, 4], j["runs"]
+
+
+def kernel_gives_resident_peak():
+    """Whether this kernel keeps VmHWM and lets a process reset it, as the benchmark needs."""
+    try:
+        with open("/proc/self/status") as f:
+            if not any(line.startswith("VmHWM:") for line in f):
+                return False
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+measured = kernel_gives_resident_peak()
+if not measured:
+    print("SKIPPED: the memory figure is not checked: this kernel gives no VmHWM in "
+          "/proc/self/status or refuses a write to /proc/self/clear_refs")
 for r in j["runs"]:
     assert len(r["losses"]) == 4 and all(math.isfinite(x) for x in r["losses"]), r["losses"]
+    if not measured:
+        assert "host_rss_growth_bytes" not in r, r
+        continue
     # Each run's model is built after the baseline: its f32 weights, gradients and AdamW's two
     # moments (4 arenas of n floats) are resident by the peak. A baseline taken after the model was
     # built would not show them.
