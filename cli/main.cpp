@@ -1,15 +1,17 @@
-// The `microbatch` command: train, plan, and check-accumulation. Training flags carry Hugging Face
-// TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads them
-// from a file first, and flags given on the command line win. Training goes to cuda:0 when a CUDA
-// device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a GPU
-// on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
+// The `microbatch` command: train, eval, plan, and check-accumulation. Training flags carry Hugging
+// Face TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads
+// them from a file first, and flags given on the command line win. Training goes to cuda:0 when a
+// CUDA device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a
+// GPU on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
 // Exit status: 0 on success, 1 when check-accumulation finds a mismatch, 2 on any error (a bad
 // flag or value, or a failure while running).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
+#include <chrono>
 #include <exception>
+#include <filesystem>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -24,6 +26,7 @@
 #include "train/fashion_mnist.h"
 #include "train/text.h"
 #include "train/trainer.h"
+#include "train/weights.h"
 
 namespace mb = microbatch;
 
@@ -66,6 +69,7 @@ struct Options {
   bool eval_strategy_given = false;  // by a flag or the config file
   bool profile = false;  // train only
   std::int64_t processes = 1;  // plan only: the processes of a data-parallel run
+  std::string weights;         // eval only: a weights file or a checkpoint folder
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
   double dropout = 0.0;
@@ -396,6 +400,75 @@ int run_train(Options& o) {
   return 0;
 }
 
+// `microbatch eval`: trained weights (--weights: a weights file or a checkpoint folder; by default
+// the output_dir/model.safetensors that train wrote) evaluated on the evaluation split of the data,
+// as the Trainer evaluates during training: the same loss, metrics, batches and memory budget, and
+// on a GPU in the precision that --fp16 / --bf16 name (the weights are cast to it, as training's
+// working copy is). The model is built from the same flags as the run that trained it; the weights
+// record its architecture, and other flags are refused naming the setting that differs.
+int run_eval(Options& o) {
+  namespace fs = std::filesystem;
+  mb::train::TrainingArguments args = training_arguments(o);
+  MB_CHECK(args.resume_from_checkpoint.empty(),
+           "[eval] --resume-from-checkpoint is for train: name a checkpoint folder with --weights");
+  MB_CHECK(o.dataset == "file",
+           "[eval] synthetic tokens have no evaluation split: evaluate on the text file the model "
+           "was trained on (--data)");
+  const std::string weights =
+      o.weights.empty() ? (fs::path(args.output_dir) / "model.safetensors").string() : o.weights;
+  std::error_code ec;
+  MB_CHECK(fs::exists(weights, ec),
+           "[eval] no trained weights at {}: train into {} first, or name a weights file or a "
+           "checkpoint folder with --weights",
+           weights, o.weights.empty() ? args.output_dir : fs::path(weights).parent_path().string());
+  Job job = make_job(o, true);
+  // Evaluation only: nothing is trained, saved or logged (train() alone opens output_dir).
+  args.eval_strategy = "epoch";
+  args.save_strategy = "no";
+  // 16-bit evaluation runs on 16-bit weights: the models are built in that dtype, for the plan too.
+  const std::optional<mb::DType> dtype = args.bf16   ? std::optional(mb::DType::bf16)
+                                         : args.fp16 ? std::optional(mb::DType::f16)
+                                                     : std::nullopt;
+  mb::train::ModelInit model_init = [init = job.model_init, dtype] {
+    std::unique_ptr<mb::nn::Model> model = init();
+    if (dtype) model->to(*dtype);
+    return model;
+  };
+  mb::train::Trainer trainer(model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
+  const mb::train::TrainedWeights loaded =
+      mb::train::load_trained_weights(trainer.model(), weights);
+  const mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
+  std::ostream no_output(nullptr);
+  std::ostream& out = world.is_main() ? std::cout : no_output;
+  mb::reset_peak_memory_stats(trainer.device());
+  const auto start = std::chrono::steady_clock::now();
+  mb::train::Metrics metrics = trainer.evaluate();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::int64_t examples = job.eval_set->size();
+  const std::int64_t peak = mb::memory_stats(trainer.device()).reserved.peak;
+  if (args.json) {
+    nlohmann::ordered_json j{{"weights", loaded.path}};
+    if (loaded.checkpoint_step >= 0) j["checkpoint_step"] = loaded.checkpoint_step;
+    j["eval_examples"] = examples;
+    for (const auto& [name, value] : metrics) j[name] = value;
+    j["eval_runtime"] = seconds;
+    j["eval_samples_per_second"] = seconds > 0 ? static_cast<double>(examples) / seconds : 0.0;
+    j["peak_reserved_bytes"] = peak;
+    out << j.dump() << "\n";
+    return 0;
+  }
+  out << "model " << o.model << " on " << trainer.device().str() << ": "
+      << trainer.model().num_parameters() << " parameters from " << loaded.path
+      << (loaded.checkpoint_step >= 0 ? fmt::format(" (step {})", loaded.checkpoint_step) : "")
+      << "; " << examples << " evaluation examples\n";
+  for (const auto& [name, value] : metrics) out << fmt::format("  {:<24} {:.6g}\n", name, value);
+  out << fmt::format("  {:<24} {:.3f} s ({:.0f} examples/s), peak memory {}\n", "eval_runtime",
+                     seconds, seconds > 0 ? static_cast<double>(examples) / seconds : 0.0,
+                     mb::format_bytes(peak));
+  return 0;
+}
+
 int run_plan(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
@@ -471,6 +544,15 @@ int main(int argc, char** argv) {
   train_cmd->add_flag("--profile", train.profile,
                       "after training, print each op's calls and self time, forward and backward (also "
                       "MB_PROFILE=1)");
+  Options eval;
+  CLI::App* eval_cmd = app.add_subcommand(
+      "eval",
+      "evaluate trained weights on the evaluation split (the flags of the run that trained them)");
+  add_model_flags(*eval_cmd, eval);
+  eval_cmd->add_option(
+      "--weights", eval.weights,
+      "a weights file or a checkpoint folder (default OUTPUT_DIR/model.safetensors, "
+      "as train writes it)");
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
   plan_cmd->add_option("--processes", plan.processes,
@@ -489,14 +571,15 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   try {
-    for (const CLI::App* cmd : {train_cmd, plan_cmd, check_cmd})
+    for (const CLI::App* cmd : {train_cmd, eval_cmd, plan_cmd, check_cmd})
       if (cmd->parsed()) refuse_missing_values(*cmd);
     int status = 0;
     if (train_cmd->parsed()) status = run_train(train);
+    if (eval_cmd->parsed()) status = run_eval(eval);
     if (plan_cmd->parsed()) status = run_plan(plan);
     if (check_cmd->parsed()) status = run_check_accumulation(dtypes, json);
     // A data-parallel run's MPI and NCCL end here, while everything they use is still alive.
-    if (train_cmd->parsed()) mb::train::ProcessGroup::world().finalize();
+    if (train_cmd->parsed() || eval_cmd->parsed()) mb::train::ProcessGroup::world().finalize();
     return status;
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message

@@ -26,6 +26,7 @@
 #include "train/checkpoint.h"
 #include "train/distributed.h"
 #include "train/loss_sum.h"
+#include "train/weights.h"
 #include "train/windows.h"
 
 namespace microbatch::train {
@@ -118,39 +119,6 @@ MemoryPlan Trainer::make_plan(const std::string& resume_from) {
 // ---- training ----------------------------------------------------------------------------------
 
 namespace {
-
-// A setting of a model architecture for a message: a short list of numbers (an MLP's hidden
-// widths) in full, anything else as shown_json shows a value of an untrusted file.
-std::string shown_setting(const nlohmann::json& v) {
-  const bool short_numbers = v.is_array() && v.size() <= 16 &&
-                             std::all_of(v.begin(), v.end(), [](const nlohmann::json& e) {
-                               return e.is_number();
-                             });
-  return short_numbers ? v.dump() : shown_json(v);
-}
-
-// The first setting in which a checkpoint's model architecture (Model::architecture, a JSON
-// object) and this model's differ, as "n_head = 2 in the checkpoint, 4 here"; nullopt when they
-// agree.
-std::optional<std::string> first_difference(const nlohmann::json& saved, const nlohmann::json& now) {
-  // The kind first: another kind differs in every setting.
-  if (saved.contains("model") && now.contains("model") && saved.at("model") != now.at("model"))
-    return fmt::format("model = {} in the checkpoint, {} here", shown_setting(saved.at("model")),
-                       shown_setting(now.at("model")));
-  for (const auto& [key, value] : now.items()) {
-    if (!saved.contains(key))
-      return fmt::format("no {} in the checkpoint, {} here", key, shown_setting(value));
-    if (saved.at(key) != value)
-      return fmt::format("{} = {} in the checkpoint, {} here", key, shown_setting(saved.at(key)),
-                         shown_setting(value));
-  }
-  for (const auto& [key, value] : saved.items()) {
-    if (!now.contains(key))
-      return fmt::format("{} = {} in the checkpoint, which this model does not have", key,
-                         shown_setting(value));
-  }
-  return std::nullopt;
-}
 
 // Note [Non-finite losses]: one window whose loss is NaN or inf (an inf input under fp16, say: the
 // loss scaler skips its step) would make the running total NaN for good: every later log line's
@@ -402,7 +370,8 @@ TrainOutput Trainer::train() {
                "[Trainer] {}: 'model' must be a JSON object, got {}", state_file,
                shown_json(st.at("model")));
       if (st.contains("model") && !architecture.is_null()) {
-        const std::optional<std::string> differs = first_difference(st.at("model"), architecture);
+        const std::optional<std::string> differs =
+            architecture_difference(st.at("model"), architecture, "the checkpoint");
         MB_CHECK(!differs.has_value(),
                  "[Trainer] cannot resume from {}: it was trained with another model: {}; its "
                  "weights would compute another function (build the model as the checkpoint's)",
@@ -892,7 +861,7 @@ TrainOutput Trainer::train() {
   group_->together("writing model.safetensors", [&] {
     if (main)
       save_safetensors((fs::path(args_.output_dir) / "model.safetensors").string(),
-                       model_->state_dict());
+                       model_->state_dict(), trained_weights_metadata(*model_));
   });
 
   TrainOutput result;

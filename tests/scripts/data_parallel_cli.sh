@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `mpirun -np 2 microbatch train ...` against one process with the same effective batch: the same
 # losses step by step (to rounding), rank 0 alone printing and writing the log, and an error on
-# the ranks ending the whole run with the message rather than hanging.
+# the ranks ending the whole run with the message rather than hanging; and `microbatch eval` in 2
+# processes against one.
 #
 #   tests/scripts/data_parallel_cli.sh MPIRUN MICROBATCH
 set -euo pipefail
@@ -103,5 +104,25 @@ for attempt in 1 2 3 4 5; do
     echo "FAIL: the floor warning was not printed once"; cat "$WORK/floor.out"; exit 1
   fi
 done
+
+# `eval` in 2 processes: each rank evaluates its share of the validation split and the sums are
+# shared, so the loss is one process's to rounding, printed once.
+python3 -c 'import random; r = random.Random(7); print("".join(r.choice("abcdefgh ") for _ in range(3000)))' \
+  > "$WORK/text.txt"
+text_model=(--model gpt --data "$WORK/text.txt" --block-size 16 --n-layer 1 --n-head 2 --n-embd 32
+            --use-cpu --per-device-eval-batch-size 8 --output-dir "$WORK/text")
+"$CLI" train "${text_model[@]}" --max-steps 3 --eval-strategy no > "$WORK/text_train.out"
+"$CLI" eval "${text_model[@]}" --json > "$WORK/eval_one.out"
+"$MPIRUN" -np 2 "$CLI" eval "${text_model[@]}" --json > "$WORK/eval_two.out"
+python3 - "$WORK/eval_one.out" "$WORK/eval_two.out" <<'PY'
+import json, sys
+one = [json.loads(l) for l in open(sys.argv[1])]
+two = [json.loads(l) for l in open(sys.argv[2])]
+assert len(one) == 1 and len(two) == 1, f"{len(two)} lines printed by 2 ranks: rank 0 alone prints"
+a, b = one[0]["eval_loss"], two[0]["eval_loss"]
+assert one[0]["eval_examples"] == two[0]["eval_examples"] > 16, (one, two)
+assert abs(a - b) < 1e-6 * abs(a), (a, b)
+print(f"eval_loss: 1 process {a}, 2 processes {b}")
+PY
 
 echo "data_parallel_cli: ok"

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -265,6 +266,146 @@ TEST_CASE("the command: an out-of-range number, a non-UTF-8 text, a short valida
            "(--eval-strategy no) or with a smaller --block-size"},
       },
       out);
+}
+
+namespace {
+
+// A text of `n` characters from a fixed stream over 16 letters and spaces, with room for a
+// validation split (its last tenth) of a few blocks.
+void write_text(const fs::path& path, int n) {
+  std::ofstream text(path);
+  std::uint32_t x = 12345;
+  for (int i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    const std::uint32_t k = (x >> 24) % 20;
+    text << (k < 16 ? static_cast<char>('a' + k) : ' ');
+  }
+}
+
+// The "eval" lines of a run's log.jsonl, by step.
+std::map<std::int64_t, nlohmann::json> eval_lines(const fs::path& run) {
+  std::map<std::int64_t, nlohmann::json> out;
+  std::ifstream in(run / "log.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.value("event", "") == "eval") out[j.at("step").get<std::int64_t>()] = j;
+  }
+  return out;
+}
+
+// The one JSON line eval --json prints.
+nlohmann::json eval_json(const CommandResult& r) {
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  const nlohmann::json j = nlohmann::json::parse(r.output, nullptr, false);
+  REQUIRE(j.is_object());
+  return j;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "the command: eval gives what training's evaluations gave, from its weights file and "
+    "from a checkpoint") {
+  TempDir dir;
+  const fs::path text = dir.path / "text.txt", run = dir.path / "run", out = dir.path / "out.txt";
+  write_text(text, 3000);
+  for (const std::string precision : {"", " --bf16"}) {
+    CAPTURE(precision);
+    const std::string model = fmt::format(
+        "--model gpt --data {} --n-layer 1 --n-head 2 --n-embd 16 --block-size 16 --use-cpu "
+        "--per-device-eval-batch-size 8 --output-dir {}{}",
+        text.string(), run.string(), precision);
+    const CommandResult trained =
+        run_command("train " + model +
+                        " --max-steps 4 --eval-strategy steps --eval-steps 2 --save-strategy steps "
+                        "--save-steps 2 --overwrite-output-dir --json",
+                    out);
+    INFO(trained.output);
+    REQUIRE(trained.status == 0);
+    const std::map<std::int64_t, nlohmann::json> logged = eval_lines(run);
+    REQUIRE(logged.count(2) == 1);
+    REQUIRE(logged.count(4) == 1);
+    // The same weights, data and batches: the same sums in the same order, to the bit.
+    const nlohmann::json last = eval_json(run_command("eval " + model + " --json", out));
+    CHECK(last.at("weights") == (run / "model.safetensors").string());
+    CHECK(!last.contains("checkpoint_step"));
+    CHECK(last.at("eval_loss").get<double>() == logged.at(4).at("eval_loss").get<double>());
+    CHECK(last.at("eval_perplexity").get<double>() ==
+          logged.at(4).at("eval_perplexity").get<double>());
+    CHECK(last.at("eval_examples").get<std::int64_t>() > 8);  // more than one batch
+    // A checkpoint holds the f32 master weights, which the run's working copy was made from.
+    const nlohmann::json second = eval_json(
+        run_command("eval " + model + " --json --weights " + (run / "checkpoint-2").string(), out));
+    CHECK(second.at("checkpoint_step") == 2);
+    CHECK(second.at("eval_loss").get<double>() == logged.at(2).at("eval_loss").get<double>());
+    CHECK(second.at("eval_loss").get<double>() != last.at("eval_loss").get<double>());
+  }
+  // Without --json: every metric and the time, on lines of their own.
+  const CommandResult shown = run_command(
+      fmt::format("eval --model gpt --data {} --n-layer 1 --n-head 2 --n-embd 16 --block-size 16 "
+                  "--use-cpu --output-dir {}",
+                  text.string(), run.string()),
+      out);
+  INFO(shown.output);
+  CHECK(shown.status == 0);
+  CHECK(shown.output.find("parameters from " + (run / "model.safetensors").string()) !=
+        std::string::npos);
+  CHECK(shown.output.find("eval_perplexity") != std::string::npos);
+  CHECK(shown.output.find("examples/s), peak memory") != std::string::npos);
+}
+
+TEST_CASE("the command: eval refuses weights of another model, missing or damaged weights") {
+  TempDir dir;
+  const fs::path text = dir.path / "text.txt", run = dir.path / "run", out = dir.path / "out.txt";
+  write_text(text, 3000);
+  const std::string model = fmt::format(
+      "--model gpt --data {} --n-layer 1 --n-embd 16 --block-size 16 --use-cpu --output-dir {}",
+      text.string(), run.string());
+  const CommandResult trained = run_command(
+      "train " + model + " --n-head 2 --max-steps 2 --save-strategy steps --save-steps 2", out);
+  INFO(trained.output);
+  REQUIRE(trained.status == 0);
+  const fs::path garbage = dir.path / "garbage.safetensors", broken = dir.path / "checkpoint-2";
+  std::ofstream(garbage) << "not a safetensors file";
+  fs::copy(run / "checkpoint-2", broken, fs::copy_options::recursive);
+  fs::resize_file(broken / "model.safetensors", fs::file_size(broken / "model.safetensors") - 4);
+  const std::string checkpoint = " --weights " + (run / "checkpoint-2").string();
+  expect_refusals(
+      {
+          // n_head is what the weights' shapes do not show.
+          {"eval " + model + " --n-head 4",
+           fmt::format("error: [weights] {} was trained with another model: n_head = 2 in the "
+                       "weights file, 4 here",
+                       (run / "model.safetensors").string())},
+          {"eval " + model + " --n-head 4" + checkpoint,
+           "was trained with another model: n_head = 2 in the checkpoint, 4 here"},
+          {"eval " + model + " --n-head 2 --block-size 32",
+           "block_size = 16 in the weights file, 32 here"},
+          {"eval " + model + " --n-head 2 --output-dir " + (dir.path / "none").string(),
+           fmt::format("error: [eval] no trained weights at {}: train into {} first",
+                       (dir.path / "none" / "model.safetensors").string(),
+                       (dir.path / "none").string())},
+          {"eval " + model + " --n-head 2 --weights " + garbage.string(), garbage.string()},
+          {"eval " + model + " --n-head 2 --weights " + broken.string(),
+           fmt::format("[checkpoint] {}", broken.string())},
+          {"eval " + model + " --n-head 2 --resume-from-checkpoint latest",
+           "error: [eval] --resume-from-checkpoint is for train: name a checkpoint folder with "
+           "--weights"},
+          {fmt::format("eval --model gpt --dataset synthetic --use-cpu --output-dir {}",
+                       run.string()),
+           "error: [eval] synthetic tokens have no evaluation split"},
+      },
+      out);
+  // Another kind of model (its data, Fashion-MNIST, is read first).
+  if (fs::exists(fs::path(train::kFashionMnistRoot) / "t10k-labels-idx1-ubyte.gz")) {
+    expect_refusals({{fmt::format("eval --model mlp --use-cpu --output-dir {}", run.string()),
+                      "model = \"gpt\" in the weights file, \"mlp\" here"}},
+                    out);
+  } else {
+    MESSAGE("SKIPPED: eval of a GPT's weights as an MLP's: no Fashion-MNIST at "
+            << train::kFashionMnistRoot);
+  }
 }
 
 TEST_CASE("the command: --json and a config file's json, flags over the file, for train and plan") {
