@@ -1,17 +1,20 @@
-// The `microbatch` command: train, eval, plan, and check-accumulation. Training flags carry Hugging
-// Face TrainingArguments names, accepted with dashes or underscores; `--config FILE.json` reads
-// them from a file first, and flags given on the command line win. Training goes to cuda:0 when a
-// CUDA device is present (--use-cpu or --device choose otherwise); `plan --device cuda` plans for a
-// GPU on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after training.
-// Exit status: 0 on success, 1 when check-accumulation finds a mismatch, 2 on any error (a bad
-// flag or value, or a failure while running).
+// The `microbatch` command: train, eval, bench, plan, and check-accumulation. Training flags carry
+// Hugging Face TrainingArguments names, accepted with dashes or underscores; `--config FILE.json`
+// reads them from a file first, and flags given on the command line win. Training goes to cuda:0
+// when a CUDA device is present (--use-cpu or --device choose otherwise); `plan --device cuda`
+// plans for a GPU on any machine. `train --profile` (or MB_PROFILE=1) prints the time per op after
+// training. Exit status: 0 on success, 1 when check-accumulation finds a mismatch, 2 on any error
+// (a bad flag or value, or a failure while running).
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -70,6 +73,8 @@ struct Options {
   bool profile = false;  // train only
   std::int64_t processes = 1;  // plan only: the processes of a data-parallel run
   std::string weights;         // eval only: a weights file or a checkpoint folder
+  std::int64_t steps = 20;     // bench only: timed optimizer steps
+  std::int64_t warmup = 3;     // bench only: untimed optimizer steps before them
   mb::nn::GPTConfig gpt{};
   std::string text_level = "char";
   double dropout = 0.0;
@@ -469,6 +474,129 @@ int run_eval(Options& o) {
   return 0;
 }
 
+// `microbatch bench`: the Trainer's own steps, timed. It trains --warmup + --steps optimizer steps
+// as `train` would (the same model, data, plan, precision and budget), logging every step, and
+// reads the run's log back: each timed step's time (between two log lines, each of which waits for
+// the device), samples and tokens a second at the median, and the run's peak memory against the
+// plan's prediction. Nothing is evaluated or saved beyond the run's log and weights, into
+// --output-dir if given, else into a temporary folder removed afterwards.
+int run_bench(Options& o) {
+  namespace fs = std::filesystem;
+  MB_CHECK(o.steps >= 1, "[bench] --steps must be >= 1, got {}", o.steps);
+  MB_CHECK(o.warmup >= 0, "[bench] --warmup must be >= 0, got {}", o.warmup);
+  for (const char* name : {"max_steps", "num_train_epochs", "logging_steps", "eval_strategy",
+                           "eval_steps", "save_strategy", "save_steps", "resume_from_checkpoint"}) {
+    MB_CHECK(
+        o.given_options.at(name)->count() == 0,
+        "[bench] {} is the benchmark's own: it trains --warmup + --steps steps, logs each, and "
+        "neither evaluates nor saves",
+        o.given_options.at(name)->get_name());
+  }
+  mb::train::TrainingArguments args = training_arguments(o);
+  args.max_steps = o.warmup + o.steps;
+  args.logging_steps = 1;
+  args.eval_strategy = "no";
+  args.save_strategy = "no";
+  const bool temporary = o.given_options.at("output_dir")->count() == 0 && o.config.empty();
+  mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
+  if (temporary) {
+    // Rank 0's folder, shared with the other ranks, which write nothing into it.
+    std::string folder;
+    if (world.is_main()) {
+      std::string pattern = (fs::temp_directory_path() / "microbatch-bench-XXXXXX").string();
+      MB_CHECK(::mkdtemp(pattern.data()) != nullptr, "[bench] cannot make a temporary folder in {}",
+               fs::temp_directory_path().string());
+      folder = pattern;
+    }
+    world.broadcast(folder, 0);
+    args.output_dir = folder;
+  }
+  struct RemoveFolder {
+    std::string path;
+    ~RemoveFolder() {
+      std::error_code ec;
+      if (!path.empty()) fs::remove_all(path, ec);
+    }
+  } cleanup{temporary && world.is_main() ? args.output_dir : std::string()};
+  Job job = make_job(o, false);
+  mb::train::Trainer trainer(job.model_init, args, *job.train_set, nullptr, {});
+  std::ostream no_output(nullptr);
+  trainer.set_log_stream(&no_output);
+  const mb::train::TrainOutput r = trainer.train();
+  if (!world.is_main()) return 0;
+  // The steps' lines, cumulative seconds, samples and tokens; peaks since the previous line.
+  std::vector<nlohmann::json> lines;
+  std::ifstream log(fs::path(args.output_dir) / "log.jsonl");
+  for (std::string line; std::getline(log, line);) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("event")) lines.push_back(std::move(j));
+  }
+  MB_CHECK(static_cast<std::int64_t>(lines.size()) == args.max_steps,
+           "[bench] the run logged {} steps, not {}", lines.size(), args.max_steps);
+  std::vector<double> ms;
+  std::int64_t samples = 0, tokens = 0, peak = 0;
+  for (std::int64_t i = o.warmup; i < args.max_steps; ++i) {
+    const nlohmann::json& now = lines[i];
+    const double before = i > 0 ? lines[i - 1].at("seconds").get<double>() : 0.0;
+    ms.push_back((now.at("seconds").get<double>() - before) * 1e3);
+    samples += now.at("samples").get<std::int64_t>() -
+               (i > 0 ? lines[i - 1].at("samples").get<std::int64_t>() : 0);
+    tokens += now.at("tokens").get<std::int64_t>() -
+              (i > 0 ? lines[i - 1].at("tokens").get<std::int64_t>() : 0);
+  }
+  // The run's peak, warm-up included (its first step allocates the optimizer's state), as the plan
+  // predicts it.
+  for (const nlohmann::json& line : lines)
+    peak = std::max(peak, line.at("measured_peak").get<std::int64_t>());
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  const std::size_t n = sorted.size();
+  const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+  // Per second at the median step, of the timed steps' mean samples and tokens a step.
+  const double per_step = static_cast<double>(o.steps);
+  const double samples_per_s = median > 0 ? samples / per_step / median * 1e3 : 0.0;
+  const double tokens_per_s = median > 0 ? tokens / per_step / median * 1e3 : 0.0;
+  const mb::train::MemoryPlan& plan = trainer.plan();
+  if (args.json) {
+    nlohmann::ordered_json j{{"model", o.model},
+                             {"device", trainer.device().str()},
+                             {"parameters", trainer.model().num_parameters()},
+                             {"processes", world.size()},
+                             {"micro_batch_size", plan.micro_batch_size},
+                             {"accumulation_steps", plan.accumulation_steps},
+                             {"gradient_checkpointing", plan.gradient_checkpointing},
+                             {"warmup_steps", o.warmup},
+                             {"steps", o.steps},
+                             {"step_ms", ms},
+                             {"step_ms_median", median},
+                             {"step_ms_min", sorted.front()},
+                             {"step_ms_max", sorted.back()},
+                             {"samples_per_second", samples_per_s},
+                             {"tokens_per_second", tokens_per_s},
+                             {"peak_bytes", peak},
+                             {"predicted_peak_bytes", plan.predicted_peak},
+                             {"memory_budget", args.memory_budget},
+                             {"training_loss", r.training_loss}};
+    std::cout << j.dump() << "\n";
+    return 0;
+  }
+  std::cout << "model " << o.model << " on " << trainer.device().str() << ": "
+            << trainer.model().num_parameters() << " parameters; micro-batch "
+            << plan.micro_batch_size << " x " << plan.accumulation_steps << " accumulation steps"
+            << (world.size() > 1 ? fmt::format(" on each of {} processes", world.size()) : "")
+            << (plan.gradient_checkpointing ? ", activation checkpointing" : "") << "\n";
+  std::cout << fmt::format(
+      "{} steps after {} warm-up: {:.2f} ms a step (median; {:.2f} to {:.2f}), {:.0f} samples/s",
+      o.steps, o.warmup, median, sorted.front(), sorted.back(), samples_per_s);
+  if (tokens > 0) std::cout << fmt::format(", {:.0f} tokens/s", tokens_per_s);
+  std::cout << "\npeak memory " << mb::format_bytes(peak);
+  if (args.memory_budget > 0)
+    std::cout << " (predicted " << mb::format_bytes(plan.predicted_peak) << ", budget "
+              << mb::format_bytes(args.memory_budget) << ")";
+  std::cout << "\n";
+  return 0;
+}
+
 int run_plan(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   MB_CHECK(args.memory_budget > 0, "[plan] give --memory-budget (e.g. 512MiB)");
@@ -553,6 +681,15 @@ int main(int argc, char** argv) {
       "--weights", eval.weights,
       "a weights file or a checkpoint folder (default OUTPUT_DIR/model.safetensors, "
       "as train writes it)");
+  Options bench;
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench", "time training steps: median step time, samples and tokens a second, peak memory");
+  add_model_flags(*bench_cmd, bench);
+  bench_cmd->add_option("--steps", bench.steps,
+                        fmt::format("timed optimizer steps (default {})", bench.steps));
+  bench_cmd->add_option(
+      "--warmup", bench.warmup,
+      fmt::format("optimizer steps before them, untimed (default {})", bench.warmup));
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
   plan_cmd->add_option("--processes", plan.processes,
@@ -571,15 +708,17 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   try {
-    for (const CLI::App* cmd : {train_cmd, eval_cmd, plan_cmd, check_cmd})
+    for (const CLI::App* cmd : {train_cmd, eval_cmd, bench_cmd, plan_cmd, check_cmd})
       if (cmd->parsed()) refuse_missing_values(*cmd);
     int status = 0;
     if (train_cmd->parsed()) status = run_train(train);
     if (eval_cmd->parsed()) status = run_eval(eval);
+    if (bench_cmd->parsed()) status = run_bench(bench);
     if (plan_cmd->parsed()) status = run_plan(plan);
     if (check_cmd->parsed()) status = run_check_accumulation(dtypes, json);
     // A data-parallel run's MPI and NCCL end here, while everything they use is still alive.
-    if (train_cmd->parsed() || eval_cmd->parsed()) mb::train::ProcessGroup::world().finalize();
+    if (train_cmd->parsed() || eval_cmd->parsed() || bench_cmd->parsed())
+      mb::train::ProcessGroup::world().finalize();
     return status;
   } catch (const std::exception& e) {
     // The library's own errors, and any other (a filesystem or allocation failure, say): a message

@@ -3,6 +3,7 @@
 // scripts/train.sh (kill-and-resume through the command is test_trainer.cpp's).
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -406,6 +407,62 @@ TEST_CASE("the command: eval refuses weights of another model, missing or damage
     MESSAGE("SKIPPED: eval of a GPT's weights as an MLP's: no Fashion-MNIST at "
             << train::kFashionMnistRoot);
   }
+}
+
+TEST_CASE("the command: bench times the Trainer's steps and reads back its own log") {
+  TempDir dir;
+  const fs::path out = dir.path / "out.txt", tmp = dir.path / "tmp", kept = dir.path / "kept";
+  fs::create_directories(tmp);
+  const std::string model =
+      "bench --model gpt --dataset synthetic --synthetic-size 256 --vocab-size 32 --n-layer 1 "
+      "--n-head 2 --n-embd 16 --block-size 16 --use-cpu --steps 3 --warmup 1";
+  // Its temporary folder (in TMPDIR) is gone afterwards.
+  ::setenv("TMPDIR", tmp.c_str(), 1);
+  const CommandResult r = run_command(model + " --memory-budget 8MiB --json", out);
+  ::unsetenv("TMPDIR");
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(fs::is_empty(tmp));
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  CHECK(j.at("steps") == 3);
+  CHECK(j.at("warmup_steps") == 1);
+  const std::vector<double> ms = j.at("step_ms").get<std::vector<double>>();
+  REQUIRE(ms.size() == 3);
+  std::vector<double> sorted = ms;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted.front() > 0);
+  CHECK(j.at("step_ms_min").get<double>() == sorted.front());
+  CHECK(j.at("step_ms_max").get<double>() == sorted.back());
+  CHECK(j.at("step_ms_median").get<double>() == sorted[1]);
+  // A step is a window of 64 sequences of 16 tokens, every one of which bears loss.
+  CHECK(j.at("micro_batch_size").get<std::int64_t>() *
+            j.at("accumulation_steps").get<std::int64_t>() ==
+        64);
+  const double per_second = 1e3 / sorted[1];
+  CHECK(j.at("samples_per_second").get<double>() ==
+        doctest::Approx(64 * per_second).epsilon(1e-12));
+  CHECK(j.at("tokens_per_second").get<double>() ==
+        doctest::Approx(64 * 16 * per_second).epsilon(1e-12));
+  // The plan's prediction and the measured peak, under the budget.
+  CHECK(j.at("predicted_peak_bytes").get<std::int64_t>() > 0);
+  CHECK(j.at("peak_bytes").get<std::int64_t>() > 0);
+  CHECK(j.at("peak_bytes").get<std::int64_t>() <= 8 << 20);
+  // With --output-dir the run's folder stays: a log line for every step, warm-up included.
+  const CommandResult shown = run_command(model + " --output-dir " + kept.string(), out);
+  INFO(shown.output);
+  REQUIRE(shown.status == 0);
+  CHECK(step_lines(kept).size() == 4);
+  CHECK(shown.output.find("3 steps after 1 warm-up: ") != std::string::npos);
+  CHECK(shown.output.find(" tokens/s\npeak memory ") != std::string::npos);
+  expect_refusals({{model + " --steps 0", "error: [bench] --steps must be >= 1, got 0"},
+                   {model + " --warmup -1", "error: [bench] --warmup must be >= 0, got -1"},
+                   {model + " --max-steps 9",
+                    "error: [bench] --max-steps is the benchmark's own: it trains --warmup + "
+                    "--steps steps"},
+                   {model + " --eval-strategy steps",
+                    "error: [bench] --eval-strategy is the "
+                    "benchmark's own"}},
+                  out);
 }
 
 TEST_CASE("the command: --json and a config file's json, flags over the file, for train and plan") {
