@@ -105,9 +105,19 @@ Trainer::~Trainer() = default;
 
 std::optional<DType> Trainer::gradient_dtype() const { return args_.accumulation_dtype(); }
 
+// Floating inputs take the dtype of the weights the model holds: the 16-bit working copy from the
+// time train() puts the model under its store, and f32 in an evaluate() or predict() before any
+// train(), which runs in f32 rather than on weights cast for it (the model's f32 values are the
+// masters train() starts from).
 Tensor Trainer::model_inputs(const Tensor& inputs) const {
-  if (!compute_dtype_ || !is_floating(inputs.dtype()) || inputs.dtype() == *compute_dtype_) return inputs;
-  return inputs.to(*compute_dtype_);
+  if (!compute_dtype_ || !is_floating(inputs.dtype())) return inputs;
+  DType weights = *compute_dtype_;
+  for (const Tensor& p : model_->parameters()) {
+    if (!is_floating(p.dtype())) continue;
+    weights = p.dtype();
+    break;
+  }
+  return inputs.dtype() == weights ? inputs : inputs.to(weights);
 }
 
 MemoryPlan Trainer::make_plan(const std::string& resume_from) {

@@ -156,6 +156,44 @@ TEST_CASE("fp16 and bf16 training through the Trainer: loss falls, memory plan h
   }
 }
 
+TEST_CASE("fp16 and bf16 Trainers evaluate before training, in f32, and after it, in 16 bits") {
+  // Before train() the model holds its f32 weights (the masters train() will start from): its
+  // evaluation runs in f32, as the f32 Trainer's does. Image inputs, which the Trainer casts.
+  manual_seed(9);
+  Tensor x = rand({48, 28, 28});
+  Tensor y = gt(sum(x.reshape({48, 784}), {1}), scalar_tensor(392.0)).to(DType::i64);
+  train::TensorDataset data(x, y);
+  auto model = [] {
+    manual_seed(10);
+    return std::make_unique<nn::MLP>(nn::MLPConfig{.hidden = {32}, .num_classes = 2});
+  };
+  auto arguments = [](const TempDir& dir, bool fp16, bool bf16) {
+    return train::TrainingArguments{.output_dir = dir.path.string(),
+                                    .per_device_train_batch_size = 16,
+                                    .per_device_eval_batch_size = 16,
+                                    .max_steps = 2,
+                                    .fp16 = fp16,
+                                    .bf16 = bf16,
+                                    .use_cpu = true};
+  };
+  TempDir f32_dir;
+  train::Trainer in_f32(model, arguments(f32_dir, false, false), data, &data);
+  const double f32_loss = in_f32.evaluate().at("eval_loss");
+  for (bool fp16 : {true, false}) {
+    CAPTURE(fp16);
+    TempDir dir;
+    std::ostringstream sink;
+    train::Trainer trainer(model, arguments(dir, fp16, !fp16), data, &data);
+    trainer.set_log_stream(&sink);
+    CHECK(trainer.evaluate().at("eval_loss") == f32_loss);
+    trainer.train();
+    REQUIRE(trainer.model().parameters()[0].dtype() == (fp16 ? DType::f16 : DType::bf16));
+    const double after = trainer.evaluate().at("eval_loss");
+    CHECK(std::isfinite(after));
+    CHECK(after != f32_loss);
+  }
+}
+
 TEST_CASE("a poisoned sample ends at the loss-scale floor with a clear error and the last good state") {
   manual_seed(6);
   Tensor x = rand({64, 28, 28});
