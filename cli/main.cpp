@@ -41,6 +41,19 @@ using mb::cli::Options;
 using mb::cli::refuse_missing_values;
 using mb::cli::training_arguments;
 
+// --init-weights: training starts from these weights (a weights file, or a checkpoint folder's f32
+// master weights) rather than from the model's initialization, with a fresh optimizer state, as
+// fine-tuning does. The Trainer's store takes the model's values when train() starts, so they are
+// loaded after the Trainer is made. A resumed run continues from its checkpoint's weights instead.
+void load_initial_weights(mb::train::Trainer& trainer, const Options& o,
+                          const mb::train::TrainingArguments& args) {
+  if (o.init_weights.empty()) return;
+  MB_CHECK(args.resume_from_checkpoint.empty(),
+           "[--init-weights] a run resumed from a checkpoint continues from the checkpoint's "
+           "weights: give --init-weights or --resume-from-checkpoint, not both");
+  mb::train::load_trained_weights(trainer.model(), o.init_weights);
+}
+
 int run_train(Options& o) {
   mb::train::TrainingArguments args = training_arguments(o);
   Job job = make_job(o, args.eval_strategy != "no");
@@ -56,6 +69,7 @@ int run_train(Options& o) {
   // is not evaluated unless asked, and then the Trainer says what is missing.
   if (!job.eval_set && !o.eval_strategy_given) args.eval_strategy = "no";
   mb::train::Trainer trainer(job.model_init, args, *job.train_set, job.eval_set.get(), job.metrics);
+  load_initial_weights(trainer, o, args);
   const mb::train::MemoryPlan& plan = trainer.plan();
   // In a data-parallel run (`mpirun -np W microbatch train ...`) rank 0 alone prints.
   const mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
@@ -69,7 +83,8 @@ int run_train(Options& o) {
         << (world.size() > 1 ? fmt::format(" on each of {} processes ({})", world.size(),
                                            mb::train::ddp_backend_name(world.backend()))
                              : std::string())
-        << (plan.gradient_checkpointing ? ", activation checkpointing" : "");
+        << (plan.gradient_checkpointing ? ", activation checkpointing" : "")
+        << (o.init_weights.empty() ? "" : "; starting from " + o.init_weights);
     if (args.memory_budget > 0)
       out << "; predicted peak " << mb::format_bytes(plan.predicted_peak) << " of "
           << mb::format_bytes(args.memory_budget);
@@ -217,6 +232,7 @@ int run_bench(Options& o) {
   } cleanup{temporary && world.is_main() ? args.output_dir : std::string()};
   Job job = make_job(o, false);
   mb::train::Trainer trainer(job.model_init, args, *job.train_set, nullptr, {});
+  load_initial_weights(trainer, o, args);
   std::ostream no_output(nullptr);
   trainer.set_log_stream(&no_output);
   const mb::train::TrainOutput r = trainer.train();
@@ -387,6 +403,11 @@ int main(int argc, char** argv) {
   bench_cmd->add_option(
       "--warmup", bench.warmup,
       fmt::format("optimizer steps before them, untimed (default {})", bench.warmup));
+  for (auto [cmd, options] : {std::pair{train_cmd, &train}, std::pair{bench_cmd, &bench}}) {
+    cmd->add_option("--init-weights", options->init_weights,
+                    "start from these weights (a weights file or a checkpoint folder) rather than "
+                    "from the model's initialization, with a fresh optimizer state");
+  }
   CLI::App* plan_cmd = app.add_subcommand("plan", "the micro-batch plan for a memory budget, without training");
   add_model_flags(*plan_cmd, plan);
   plan_cmd->add_option("--processes", plan.processes,

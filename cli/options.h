@@ -35,6 +35,7 @@ struct Options {
   bool profile = false;                     // train only
   std::int64_t processes = 1;               // plan only: the processes of a data-parallel run
   std::string weights;                      // eval only: a weights file or a checkpoint folder
+  std::string init_weights;  // train, bench: weights to start from (a file or a checkpoint folder)
   std::int64_t steps = 20;                  // bench only: timed optimizer steps
   std::int64_t warmup = 3;                  // bench only: untimed optimizer steps before them
   microbatch::nn::GPTConfig gpt{};

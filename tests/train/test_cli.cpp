@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/safetensors.h"
 #include "nn/models.h"
 #include "tests/core/harness.h"
 #include "train/fashion_mnist.h"
@@ -407,6 +408,60 @@ TEST_CASE("the command: eval refuses weights of another model, missing or damage
     MESSAGE("SKIPPED: eval of a GPT's weights as an MLP's: no Fashion-MNIST at "
             << train::kFashionMnistRoot);
   }
+}
+
+TEST_CASE("the command: train --init-weights starts from a weights file or a checkpoint") {
+  TempDir dir;
+  const fs::path text = dir.path / "text.txt", out = dir.path / "out.txt";
+  write_text(text, 3000);
+  const std::string model = fmt::format(
+      "--model gpt --data {} --n-layer 1 --n-embd 16 --block-size 16 --use-cpu", text.string());
+  auto run_in = [&](const std::string& folder, const std::string& more) {
+    const CommandResult r =
+        run_command(fmt::format("train {} --eval-strategy no --output-dir {} {}", model,
+                                (dir.path / folder).string(), more),
+                    out);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+  };
+  auto weights = [&](const fs::path& file) { return load_safetensors(file.string()).tensors; };
+  auto same = [](const NamedTensorMap& a, const NamedTensorMap& b) {
+    if (a.size() != b.size()) return false;
+    for (const auto& [name, t] : a)
+      if (!b.count(name) || t.to_vector() != b.at(name).to_vector()) return false;
+    return true;
+  };
+  run_in("trained", "--n-head 2 --max-steps 3 --save-strategy steps --save-steps 2");
+  const NamedTensorMap trained = weights(dir.path / "trained" / "model.safetensors");
+  // A step at learning rate 0 changes no weight (AdamW's decay is scaled by it too): each run
+  // ends with the weights it started from.
+  run_in("fresh", "--n-head 2 --max-steps 1 --learning-rate 0");
+  CHECK(!same(weights(dir.path / "fresh" / "model.safetensors"), trained));
+  run_in("from_file", "--n-head 2 --max-steps 1 --learning-rate 0 --init-weights " +
+                          (dir.path / "trained" / "model.safetensors").string());
+  CHECK(same(weights(dir.path / "from_file" / "model.safetensors"), trained));
+  const fs::path checkpoint = dir.path / "trained" / "checkpoint-2";
+  run_in("from_checkpoint",
+         "--n-head 2 --max-steps 1 --learning-rate 0 --init-weights " + checkpoint.string());
+  CHECK(same(weights(dir.path / "from_checkpoint" / "model.safetensors"),
+             weights(checkpoint / "model.safetensors")));
+  CHECK(!same(weights(checkpoint / "model.safetensors"), trained));
+  const std::string from =
+      " --init-weights " + (dir.path / "trained" / "model.safetensors").string();
+  const CommandResult bench =
+      run_command(fmt::format("bench {} --n-head 2 --steps 1 --warmup 0{}", model, from), out);
+  INFO(bench.output);
+  CHECK(bench.status == 0);
+  expect_refusals(
+      {{fmt::format("train {} --n-head 4 --max-steps 1 --output-dir {}{}", model,
+                    (dir.path / "other").string(), from),
+        "was trained with another model: n_head = 2 in the weights file, 4 here"},
+       {fmt::format("train {} --n-head 2 --max-steps 1 --output-dir {} "
+                    "--resume-from-checkpoint latest{}",
+                    model, (dir.path / "trained").string(), from),
+        "error: [--init-weights] a run resumed from a checkpoint continues from the checkpoint's "
+        "weights"}},
+      out);
 }
 
 TEST_CASE("the command: bench times the Trainer's steps and reads back its own log") {
