@@ -94,6 +94,15 @@ Trainer::Trainer(ModelInit model_init, TrainingArguments args, const Dataset& tr
                      .compute_metrics = static_cast<bool>(compute_metrics_)},
                     plan_);
   model_->set_gradient_checkpointing(plan_.gradient_checkpointing);
+  // Note [Inputs in the weights' dtype]: before train() the model holds the weights model_init
+  // made (f32, the masters train() will start from, unless made in 16 bits).
+  if (compute_dtype_) {
+    for (const Tensor& p : model_->parameters()) {
+      if (!is_floating(p.dtype())) continue;
+      input_dtype_ = p.dtype();
+      break;
+    }
+  }
   eval_batch_size_ = args_.per_device_eval_batch_size;
   if (args_.memory_budget > 0) {
     // Evaluation keeps no activations for backward, so the training micro-batch always fits.
@@ -105,19 +114,9 @@ Trainer::~Trainer() = default;
 
 std::optional<DType> Trainer::gradient_dtype() const { return args_.accumulation_dtype(); }
 
-// Floating inputs take the dtype of the weights the model holds: the 16-bit working copy from the
-// time train() puts the model under its store, and f32 in an evaluate() or predict() before any
-// train(), which runs in f32 rather than on weights cast for it (the model's f32 values are the
-// masters train() starts from).
 Tensor Trainer::model_inputs(const Tensor& inputs) const {
-  if (!compute_dtype_ || !is_floating(inputs.dtype())) return inputs;
-  DType weights = *compute_dtype_;
-  for (const Tensor& p : model_->parameters()) {
-    if (!is_floating(p.dtype())) continue;
-    weights = p.dtype();
-    break;
-  }
-  return inputs.dtype() == weights ? inputs : inputs.to(weights);
+  if (!input_dtype_ || !is_floating(inputs.dtype()) || inputs.dtype() == *input_dtype_) return inputs;
+  return inputs.to(*input_dtype_);
 }
 
 MemoryPlan Trainer::make_plan(const std::string& resume_from) {
@@ -222,6 +221,7 @@ TrainOutput Trainer::train() {
   // the parameters' own blocks have gone back to it.
   empty_cache(device_);
   optim::ParamStore store(*model_, {.compute_dtype = compute_dtype_, .grad_dtype = gradient_dtype()});
+  input_dtype_ = compute_dtype_;  // the working copy's (Note [Inputs in the weights' dtype])
   std::optional<optim::DynamicLossScaler> scaler;
   if (args_.fp16) {
     scaler.emplace(optim::LossScalerConfig{

@@ -156,6 +156,11 @@ class Trainer {
   std::int64_t global_batch_ = 0;  // the effective batch over every rank: a window's samples
   std::int64_t baseline_ = 0;  // device bytes reserved before the Trainer (Note [What the budget covers])
   std::optional<DType> compute_dtype_;  // f16 or bf16 with fp16 / bf16
+  // Note [Inputs in the weights' dtype]: with fp16 / bf16, floating inputs are cast to the dtype of
+  // the weights the model holds: the 16-bit working copy from the time train() puts the model under
+  // its store, and f32 in an evaluate() or predict() before any train(), which runs in f32 rather
+  // than on weights cast for it. Set where those weights change, not looked up per batch.
+  std::optional<DType> input_dtype_;
   Tensor model_inputs(const Tensor& inputs) const;
   std::optional<DType> gradient_dtype() const;
 };
