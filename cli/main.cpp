@@ -246,19 +246,19 @@ int run_bench(Options& o) {
   }
   MB_CHECK(static_cast<std::int64_t>(lines.size()) == args.max_steps,
            "[bench] the run logged {} steps, not {}", lines.size(), args.max_steps);
+  // Line i's cumulative count of `key` after step i + 1; 0 before the first step.
+  auto after = [&](std::int64_t i, const char* key) {
+    return i < 0 ? 0.0 : lines[i].at(key).get<double>();
+  };
   std::vector<double> ms;
-  std::int64_t samples = 0, tokens = 0, peak = 0;
-  for (std::int64_t i = o.warmup; i < args.max_steps; ++i) {
-    const nlohmann::json& now = lines[i];
-    const double before = i > 0 ? lines[i - 1].at("seconds").get<double>() : 0.0;
-    ms.push_back((now.at("seconds").get<double>() - before) * 1e3);
-    samples += now.at("samples").get<std::int64_t>() -
-               (i > 0 ? lines[i - 1].at("samples").get<std::int64_t>() : 0);
-    tokens += now.at("tokens").get<std::int64_t>() -
-              (i > 0 ? lines[i - 1].at("tokens").get<std::int64_t>() : 0);
-  }
+  for (std::int64_t i = o.warmup; i < args.max_steps; ++i)
+    ms.push_back((after(i, "seconds") - after(i - 1, "seconds")) * 1e3);
+  const std::int64_t last = args.max_steps - 1, before = o.warmup - 1;
+  const double samples = after(last, "samples") - after(before, "samples");
+  const double tokens = after(last, "tokens") - after(before, "tokens");
   // The run's peak, warm-up included (its first step allocates the optimizer's state), as the plan
   // predicts it.
+  std::int64_t peak = 0;
   for (const nlohmann::json& line : lines)
     peak = std::max(peak, line.at("measured_peak").get<std::int64_t>());
   std::vector<double> sorted = ms;
