@@ -80,6 +80,13 @@ MB_HOST_DEVICE C col2im_element(const C* col, C acc, const Window2d& w, std::int
   return acc;
 }
 
+/// Whether a max-pooling scan replaces its best value so far with v: the first element, a larger
+/// one, or a NaN over a number (NaN beats anything and stays; among equals the first wins).
+template <class C>
+MB_HOST_DEVICE bool pool_takes(C v, C best, bool have_best) {
+  return !have_best || v > best || (v != v && best == best);
+}
+
 /// max_pool2d for window e = (n, c, oh, ow) of the (N, C, H', W') output: its maximum (padding
 /// is -inf; the first maximum wins; NaN beats anything and stays) and where it is, h * W + w.
 /// x (N, C, H, W) any strides, storage type T.
@@ -97,7 +104,7 @@ MB_HOST_DEVICE compute_t<T> max_pool2d_element(const StridedView& x, const Windo
   for (std::int64_t h = h0 < 0 ? 0 : h0; h < h0 + w.kernel_h && h < w.height; ++h) {
     for (std::int64_t ww = w0 < 0 ? 0 : w0; ww < w0 + w.kernel_w && ww < w.width; ++ww) {
       const C v = static_cast<C>(plane[h * x.strides[2] + ww * x.strides[3]]);
-      if (best_at < 0 || v > best || (v != v && best == best)) {
+      if (pool_takes(v, best, best_at >= 0)) {
         best = v;
         best_at = h * w.width + ww;
       }

@@ -10,10 +10,23 @@
 // (cudnn_workspace): the cuDNN path never needs more memory than the other, and meta can size it
 // without asking cuDNN. The fastest deterministic algorithm that fits runs; where none does (or a
 // tensor is empty or past cuDNN's int sizes) the kernel says so and the op runs the im2col path
-// instead, the one case meta does not foresee. Without cuDNN, and on the CPU, the im2col path runs; its code
-// is the same on both backends (Im2colKernels).
+// instead, the one case meta does not foresee. Without cuDNN, and on the CPU, the im2col path runs;
+// its code is the same on both backends (Im2colKernels).
+//
+// Note [Convolutions over images in parallel]: on the CPU the forward and the input's gradient
+// share the batch's images among the OpenMP team's threads, each image with its own column buffer
+// (slot = thread number; the buffers are one tensor of image_slots() slots) and a one-thread GEMM
+// (Eigen keeps to one thread inside a parallel region). An image's result comes from the same
+// operations whichever thread runs it, so the bits do not depend on the number of threads. The
+// weight's gradient is summed per slot over its thread's run of images (the static schedule's
+// contiguous runs, in order), then over the slots in order: deterministic for a given number of
+// threads, as the README promises of a run, for one more weight-sized buffer a thread.
 #include <algorithm>
 #include <limits>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "core/autograd.h"
 #include "core/ops.h"
@@ -70,6 +83,27 @@ bool launch_cudnn(const char* op, Device device, Fn&& fn) {
   launch(op, device, [&] { MB_ASSERT(false, "[{}] the cuDNN path does not run on the CPU", op); },
          [&] { ran = fn(); });
   return ran;
+}
+
+// Images the im2col path works on at once: on the CPU one per thread of the OpenMP team (Note
+// [Convolutions over images in parallel]), else one. Meta counts as the backend it mirrors, so that
+// its column buffers are the run's.
+std::int64_t image_slots(Device device, std::int64_t batch) {
+  if (backend_of(device) != Backend::cpu) return 1;
+#if defined(_OPENMP)
+  return std::clamp<std::int64_t>(omp_get_max_threads(), 1, std::max<std::int64_t>(batch, 1));
+#else
+  return 1;
+#endif
+}
+
+// The slot of the image the calling thread works on: its number in the team (0 outside one).
+std::int64_t image_slot() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
 }
 
 // Item n of a view's leading dim, with that dim removed: (N, ...) -> (...).
@@ -139,15 +173,27 @@ Tensor conv2d_dweight(const Tensor& dy, const Tensor& x, const Window2d& w, cons
                       DType dtype) {
   const DType math = dy.dtype();
   const std::int64_t batch = x.shape()[0], rows = w.col_rows(), cols = w.col_cols();
-  Tensor dweight = zeros({1, weight_shape[0], rows}, {.dtype = math, .device = x.device()});  // (1, O, Ckk)
-  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
+  const std::int64_t slots = image_slots(x.device(), batch);
+  // A sum per slot over its run of images, in order (one slot: the whole sum).
+  Tensor partial = zeros({slots, weight_shape[0], rows}, {.dtype = math, .device = x.device()});
+  Tensor col =
+      empty({slots, rows, cols}, {.dtype = math, .device = x.device()});  // a CkHkW x H'W' each
   launch_im2col("conv2d", x.device(), [&](const Im2colKernels& k) {
-    const StridedView xv = x.kview(), gv = dy.kview(), cv = col.kview(), dwv = dweight.kview();
+    const StridedView xv = x.kview(), gv = dy.kview(), cv = col.kview(), pv = partial.kview();
+    const int team = static_cast<int>(slots);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      k.im2col(drop_first(xv, n), matrix(cv), w);
-      k.gemm(keep_one(gv, n), transposed(cv), dwv, 1.0, 1.0);
+      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const StridedView mine = keep_one(cv, slot);
+      k.im2col(drop_first(xv, n), matrix(mine), w);
+      k.gemm(keep_one(gv, n), transposed(mine), keep_one(pv, slot), 1.0, 1.0);
     }
   });
+  Tensor dweight;
+  {
+    NoGradGuard no_grad;
+    dweight = slots == 1 ? partial : sum(partial, {0});  // the slots' sums in slot order
+  }
   Tensor out = dweight.view(weight_shape);
   return out.dtype() == dtype ? out : out.to(dtype);
 }
@@ -157,19 +203,27 @@ Tensor conv2d_dx(const Tensor& dy, const Tensor& weight, const Window2d& w, cons
                  DType dtype) {
   const DType math = dy.dtype();
   const std::int64_t batch = x_shape[0], rows = w.col_rows(), cols = w.col_cols();
+  const std::int64_t slots = image_slots(dy.device(), batch);
   Tensor wm = weight.to(math).contiguous().view({1, weight.shape()[0], rows});  // (1, O, CkHkW)
-  Tensor dcol = empty({1, rows, cols}, {.dtype = math, .device = dy.device()});  // (1, CkHkW, H'W')
+  Tensor dcol =
+      empty({slots, rows, cols}, {.dtype = math, .device = dy.device()});  // a CkHkW x H'W' each
   Tensor dx = empty(x_shape, {.dtype = dtype, .device = dy.device()});
   // 16-bit: each image's gradient is summed in an f32 plane, then rounded once into dx.
-  Tensor image = math == dtype ? Tensor() : empty({x_shape[1], x_shape[2], x_shape[3]},
-                                                 {.dtype = math, .device = dy.device()});
+  Tensor image = math == dtype ? Tensor()
+                               : empty({slots, x_shape[1], x_shape[2], x_shape[3]},
+                                       {.dtype = math, .device = dy.device()});
   launch_im2col("conv2d", dy.device(), [&](const Im2colKernels& k) {
     const StridedView gv = dy.kview(), dv = dcol.kview(), xv = dx.kview();
+    const StridedView planes = image.defined() ? image.kview() : StridedView{};
+    const int team = static_cast<int>(slots);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      k.gemm(transposed(wm.kview()), keep_one(gv, n), dv, 1.0, 0.0);
-      const StridedView target = image.defined() ? image.kview() : drop_first(xv, n);
+      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const StridedView mine = keep_one(dv, slot);
+      k.gemm(transposed(wm.kview()), keep_one(gv, n), mine, 1.0, 0.0);
+      const StridedView target = image.defined() ? drop_first(planes, slot) : drop_first(xv, n);
       k.fill(target, 0.0);
-      k.col2im(matrix(dv), target, w);
+      k.col2im(matrix(mine), target, w);
       if (image.defined()) k.copy(drop_first(xv, n), target);
     }
   });
@@ -228,11 +282,16 @@ void conv2d_forward_im2col(const Tensor& x, const Tensor& weight, const Tensor& 
     wm = weight.to(math).contiguous().view({1, channels_out, rows});
     if (bias.defined()) bm = bias.to(math);
   }
-  Tensor col = empty({1, rows, cols}, {.dtype = math, .device = x.device()});  // (1, CkHkW, H'W')
+  const std::int64_t slots = image_slots(x.device(), batch);
+  Tensor col =
+      empty({slots, rows, cols}, {.dtype = math, .device = x.device()});  // a CkHkW x H'W' each
   // 16-bit: each image is computed in f32 and rounded once into out.
-  Tensor acc = math == dtype ? Tensor() : empty({1, channels_out, cols}, {.dtype = math, .device = x.device()});
+  Tensor acc = math == dtype
+                   ? Tensor()
+                   : empty({slots, channels_out, cols}, {.dtype = math, .device = x.device()});
   launch_im2col("conv2d", x.device(), [&](const Im2colKernels& k) {
     const StridedView xv = x.kview(), cv = col.kview();
+    const StridedView av = acc.defined() ? acc.kview() : StridedView{};
     StridedView ov = out.kview();
     ov.ndim = 3, ov.shape[2] = cols, ov.strides[1] = cols, ov.strides[2] = 1;  // (N, O, H'W')
     StridedView bias_rows;  // (1, O, H'W'), bias broadcast along each row
@@ -242,12 +301,16 @@ void conv2d_forward_im2col(const Tensor& x, const Tensor& weight, const Tensor& 
       bias_rows.shape[0] = 1, bias_rows.shape[1] = channels_out, bias_rows.shape[2] = cols;
       bias_rows.strides[0] = 0, bias_rows.strides[1] = bm.strides()[0], bias_rows.strides[2] = 0;
     }
+    const int team = static_cast<int>(slots);
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      k.im2col(drop_first(xv, n), matrix(cv), w);
-      const StridedView target = acc.defined() ? acc.kview() : keep_one(ov, n);
+      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const StridedView mine = keep_one(cv, slot);
+      k.im2col(drop_first(xv, n), matrix(mine), w);
+      const StridedView target = acc.defined() ? keep_one(av, slot) : keep_one(ov, n);
       // With a bias, the GEMM adds onto rows pre-filled with it (beta = 1): no extra pass.
       if (bm.defined()) k.copy(target, bias_rows);
-      k.gemm(wm.kview(), cv, target, 1.0, bm.defined() ? 1.0 : 0.0);
+      k.gemm(wm.kview(), mine, target, 1.0, bm.defined() ? 1.0 : 0.0);
       if (acc.defined()) k.copy(keep_one(ov, n), target);
     }
   });

@@ -1,8 +1,14 @@
 // conv2d and max_pool2d: forward values against direct nested-loop references written here,
-// hand-computed cases, gradcheck over stride/padding/bias/layout, 16-bit rounding, meta, errors.
+// hand-computed cases, gradcheck over stride/padding/bias/layout, 16-bit rounding, meta, errors,
+// and the CPU's images shared among threads.
 #include <cmath>
 #include <limits>
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "kernels/conv.h"
 #include "tests/core/harness.h"
 
 using namespace microbatch;
@@ -319,3 +325,131 @@ TEST_CASE("conv2d and max_pool2d with an empty batch or channels") {
     CHECK(xp.grad().shape() == s);
   }
 }
+
+#if defined(_OPENMP)
+namespace {
+
+// Sets the OpenMP team's size for its lifetime (Note [Convolutions over images in parallel]).
+class Threads {
+ public:
+  explicit Threads(int n) : saved_(omp_get_max_threads()) { omp_set_num_threads(n); }
+  ~Threads() { omp_set_num_threads(saved_); }
+  Threads(const Threads&) = delete;
+  Threads& operator=(const Threads&) = delete;
+
+ private:
+  int saved_;
+};
+
+struct ConvPoolStep {
+  Tensor y, dx, dw, db;
+  std::int64_t peak_allocated = 0, peak_reserved = 0;
+};
+
+// pool(conv(x, w, b)) with a 2 x 2 and a 3 x 3 / stride 2 / padding 1 pooling, then backward of a
+// weighted sum; on meta only the memory figures mean anything.
+ConvPoolStep conv_pool_step(Device device, const Tensor& x0, const Tensor& w0, const Tensor& b0,
+                            const Tensor& r0) {
+  empty_cache(device);
+  reset_peak_memory_stats(device);
+  const MemoryStats start = memory_stats(device);
+  Tensor x = x0.to(device).detach().requires_grad_(true);
+  Tensor w = w0.to(device).detach().requires_grad_(true);
+  Tensor b = b0.to(device).detach().requires_grad_(true);
+  Tensor c = conv2d(x, w, b, {.padding = 1});
+  Tensor y = add(max_pool2d(c, {.kernel_size = 2}),
+                 max_pool2d(c, {.kernel_size = 3, .stride = 2, .padding = 1}));
+  sum(mul(y, r0.to(device))).backward();
+  const MemoryStats end = memory_stats(device);
+  return {y.detach(),
+          x.grad(),
+          w.grad(),
+          b.grad(),
+          end.allocated.peak - start.allocated.current,
+          end.reserved.peak - start.reserved.current};
+}
+
+}  // namespace
+
+TEST_CASE("conv2d and max_pool2d on several threads: one thread's results, and meta's peaks") {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    manual_seed(7);
+    const Tensor x = randn({7, 3, 10, 10}).to(dt), w = randn({5, 3, 3, 3}).to(dt);
+    const Tensor b = randn({5}).to(dt), r = randn({7, 5, 5, 5}).to(dt);
+    ConvPoolStep one;
+    {
+      Threads threads(1);
+      one = conv_pool_step(kCPU, x, w, b, r);
+    }
+    for (int n : {2, 3}) {
+      CAPTURE(n);
+      Threads threads(n);
+      const ConvPoolStep many = conv_pool_step(kCPU, x, w, b, r);
+      // Each image is computed alone, by the same operations, whichever thread takes it.
+      CHECK(many.y.to_vector() == one.y.to_vector());
+      CHECK(many.dx.to_vector() == one.dx.to_vector());
+      CHECK(many.db.to_vector() == one.db.to_vector());
+      // The weight's gradient adds the threads' sums: the same sum in another order.
+      check_close(many.dw, one.dw.to_vector(), dt == DType::f32 ? 1e-5 : 1e-2,
+                  dt == DType::f32 ? 1e-5 : 1e-2, "dweight, summed per thread");
+      // A column buffer (and a partial weight gradient) per thread: meta allocates them alike.
+      const ConvPoolStep meta =
+          conv_pool_step(kMeta, x.to(kMeta), w.to(kMeta), b.to(kMeta), r.to(kMeta));
+      CHECK(many.peak_allocated > one.peak_allocated);
+      CHECK(meta.peak_allocated == many.peak_allocated);
+      CHECK(meta.peak_reserved == many.peak_reserved);
+    }
+  }
+}
+
+TEST_CASE("max_pool2d's 2 x 2 path scans as the element function does: values, ties, NaN") {
+  // Contiguous rows take the CPU kernel's 2 x 2 path; max_pool2d_element is the CUDA kernel's.
+  Tensor x = from_vector({1,
+                          1,
+                          0,
+                          5,
+                          2,
+                          2,
+                          2,
+                          2,
+                          3,
+                          1,
+                          1,
+                          3,
+                          4,
+                          4,
+                          4,
+                          4,  // ties
+                          std::nan(""),
+                          1,
+                          9,
+                          std::nan(""),
+                          -1,
+                          -2,
+                          -3,
+                          -4},
+                         {1, 1, 6, 4});
+  kernels::Window2d w{.channels = 1,
+                      .height = 6,
+                      .width = 4,
+                      .kernel_h = 2,
+                      .kernel_w = 2,
+                      .stride = 2,
+                      .padding = 0,
+                      .out_h = 3,
+                      .out_w = 2};
+  Tensor out = empty({1, 1, 3, 2}), indices = empty({1, 1, 3, 2}, {.dtype = DType::i64});
+  kernels::cpu::max_pool2d(x.kview(), out.kview(), indices.kview(), w);
+  for (std::int64_t e = 0; e < 6; ++e) {
+    CAPTURE(e);
+    std::int64_t at = -2;
+    const float want = kernels::max_pool2d_element<float>(x.kview(), w, e, &at);
+    const float got = static_cast<float>(out.to_vector()[static_cast<std::size_t>(e)]);
+    CHECK((got == want || (std::isnan(got) && std::isnan(want))));
+    CHECK(indices.to_vector()[static_cast<std::size_t>(e)] == static_cast<double>(at));
+  }
+  // The first of equal maxima wins; a NaN wins and stays.
+  CHECK(indices.to_vector() == std::vector<double>{4, 3, 12, 14, 16, 19});
+}
+#endif
