@@ -194,6 +194,20 @@ class Args {
   std::vector<std::size_t> used_;
 };
 
+/// The sizes of a "--batch 8,16" list; throws naming `program` unless each is a whole number >= 1
+/// (std::stoll's std::logic_error for text that is no number).
+inline std::vector<std::int64_t> parse_sizes(const std::string& text, const char* program) {
+  std::vector<std::int64_t> out;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t comma = std::min(text.find(',', start), text.size());
+    out.push_back(std::stoll(text.substr(start, comma - start)));
+    start = comma + 1;
+  }
+  for (std::int64_t b : out) MB_CHECK(b >= 1, "[{}] --batch {}: sizes are >= 1", program, b);
+  return out;
+}
+
 /// The device's name ("NVIDIA H200", or "cpu").
 inline std::string device_name(Device device) {
   if (!device.is_cuda()) return "cpu";

@@ -8,6 +8,8 @@ that is empty, cut short or not a JSON object is reported as unreadable and coun
   gpt2_simt.json      bench_gpt2_cuda rerun on the f32-math attention (MB_ATTENTION_KERNEL=simt)
   planner.json        benchmarks/planner_cuda.sh
   attention.json      bench_attention_cuda      torch_attention.json benchmarks/torch_attention.py
+  image_mlp.json      bench_image_cuda          torch_image_mlp.json benchmarks/torch_image.py
+  image_cnn.json      bench_image_cuda          torch_image_cnn.json benchmarks/torch_image.py
 
 Targets (memory-bound kernels, as a fraction of the device's copy bandwidth, Note [Bytes moved] in
 benchmarks/kernels_cuda.cpp): accumulate >= 0.90, AdamW >= 0.85 and no slower than PyTorch's fused
@@ -18,18 +20,22 @@ rounding); the median step time and the peak allocated memory must be no more th
 (max_memory_allocated); a run that failed, or that the file lists but has no result for, fails.
 gpt2_simt.json, where the check wrote one (the tensor-core run measured nothing), is compared the
 same way, beside gpt2.json's failures. Planner: the measured peak must stay within the budget and
-the predicted one within 5% of it. A target whose PyTorch figure is missing (a PyTorch run that
-failed; its peak memory on the CPU) is shown as "-" and named as not checked. Attention (ours /
+the predicted one within 5% of it. The Fashion-MNIST models (image_*.json, from the CPU
+comparison; not missed when absent) are compared as GPT-2 is, in f32: first losses within 1e-4,
+every step's within 1e-3, step time and peak memory no more than PyTorch's. A target whose PyTorch
+figure is missing (a PyTorch run that failed; its peak memory on the CPU) is shown as "-" and named
+as not checked. Attention (ours /
 PyTorch SDPA time, and how far our two kernels are apart) has no target: it changes no outcome.
-Neither has memory on the CPU, where PyTorch keeps no allocator statistics: where both GPT runs
+Neither has memory on the CPU, where PyTorch keeps no allocator statistics: where both runs
 recorded the growth of their process's resident memory (host_rss_growth_bytes), it is shown below
 the run's row and plotted in place of the allocator's peak.
 
   python3 benchmarks/compare.py DIR [--json PATH] [--plots PLOTDIR]
       exit status 1 when a target or a check fails. --json writes the summary as standard JSON (a
       figure that is not finite as null). --plots also draws the results as SVG files in PLOTDIR
-      (gpt2_loss, gpt2_step, kernels, attention and planner .svg, each skipped when its files are
-      missing; drawn by benchmarks/svg_plot.py, no matplotlib); the plots change no outcome.
+      (gpt2_loss, gpt2_step, image_<model>_loss, image_<model>_step, kernels, attention and
+      planner .svg, each skipped when its files are missing; drawn by benchmarks/svg_plot.py, no
+      matplotlib); the plots change no outcome.
 """
 import argparse
 import json
@@ -45,8 +51,13 @@ FIRST_LOSS_TOLERANCE = 0.02  # the same weights and tokens: only the forward's b
 # llm.c's test_gpt2.cu holds its bf16 build to over 10 steps against PyTorch: on losses near 11
 # (ln 50257), a little above the 0.03 of half a bf16 spacing there, far below a real divergence.
 LOSS_TOLERANCE = 0.05
+# The Fashion-MNIST models (f32 on both sides, the same weights and images): the first loss differs
+# by the order of f32 sums alone; later ones by that order's effect carried through AdamW's steps.
+IMAGE_FIRST_LOSS_TOLERANCE = 1e-4
+IMAGE_LOSS_TOLERANCE = 1e-3
 PREDICTION_TOLERANCE = 0.05  # the planner's predicted peak, as a fraction of the measured one
-TIME_TARGETS = ("adamw",)  # kernels that must also take no longer than PyTorch's counterpart
+TIME_TARGETS = ("adamw",)
+IMAGE_MODELS = ("mlp", "cnn")  # image_<model>.json from bench_image_cuda, torch_image_<model>.json  # kernels that must also take no longer than PyTorch's counterpart
 
 
 def load(directory, name, unreadable, missing_note=True):
@@ -173,14 +184,31 @@ def compare_kernels(ours, torch_, summary):
     return ok
 
 
-def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
+class Training:
+    """What sets one training benchmark apart from another in the comparison: its name in titles,
+    its rate (the JSON key and the column's unit) and how closely the two runs' losses must agree."""
+
+    def __init__(self, name, rate_key, rate_unit, first_tolerance, loss_tolerance):
+        self.name, self.rate_key, self.rate_unit = name, rate_key, rate_unit
+        self.first_tolerance, self.loss_tolerance = first_tolerance, loss_tolerance
+
+
+GPT = Training("GPT", "tokens_per_s", "tok/s", FIRST_LOSS_TOLERANCE, LOSS_TOLERANCE)
+# The Fashion-MNIST models train in f32 on both sides: their losses differ only by the order of f32
+# sums, whose effect AdamW carries from step to step; IMAGE_LOSS_TOLERANCE bounds the drift.
+IMAGE = Training("Fashion-MNIST", "samples_per_s", "img/s", IMAGE_FIRST_LOSS_TOLERANCE,
+                 IMAGE_LOSS_TOLERANCE)
+
+
+def compare_training(ours, torch_, summary, key="gpt2", label="", kind=GPT):
     where = f", {ours['device']}" if ours.get("device") else ""
     attention = f", attention {ours['attention']}" if ours.get("attention") else ""
-    print(f"\nGPT training step{label} ({ours.get('model')}, {ours.get('parameters')} parameters{where}{attention}): "
+    unit = kind.rate_unit
+    print(f"\n{kind.name} training step{label} ({ours.get('model')}, {ours.get('parameters')} parameters{where}{attention}): "
           "ours / PyTorch — step time and memory lower is better (the targets: no more than PyTorch's), "
-          "tokens/s higher is better")
+          f"{unit} higher is better")
     theirs = {r.get("batch"): r for r in dicts((torch_ or {}).get("runs"))}
-    print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours tok/s':>12}{'torch tok/s':>12}{'tok/s ratio':>12}"
+    print(f"  {'batch':>5}{'ours ms':>10}{'torch ms':>10}{'ours ' + unit:>12}{'torch ' + unit:>12}{unit + ' ratio':>12}"
           f"{'ours MiB':>10}{'torch MiB':>11}{'mem ratio':>10}{'loss[0] ours':>14}{'torch':>9}{'max |dloss|':>12}  result")
     ok = True
     out = summary[key]
@@ -214,10 +242,10 @@ def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
             pairs = [(finite(x), finite(y)) for x, y in zip(ours_losses, torch_losses)]
             diffs = [abs(x - y) for x, y in pairs if x is not None and y is not None]
             max_diff = max(diffs) if diffs else None
-            if first is None or first_torch is None or abs(first - first_torch) > FIRST_LOSS_TOLERANCE:
+            if first is None or first_torch is None or abs(first - first_torch) > kind.first_tolerance:
                 fails.append("first losses differ")
-            if not pairs or len(diffs) < len(pairs) or max_diff > LOSS_TOLERANCE:
-                fails.append(f"losses differ by more than {LOSS_TOLERANCE}")
+            if not pairs or len(diffs) < len(pairs) or max_diff > kind.loss_tolerance:
+                fails.append(f"losses differ by more than {kind.loss_tolerance}")
             losses_ok = not fails
         faster = no_more_than(r.get("step_ms_median"), t.get("step_ms_median"))
         smaller = no_more_than(r.get("peak_allocated_bytes"), t.get("peak_allocated_bytes"))
@@ -236,11 +264,11 @@ def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
             result = "-"  # no PyTorch run to compare with
         else:
             result = "pass" + (f" (not checked: {', '.join(unchecked)})" if unchecked else "")
-        tok_ratio = ratio(r.get("tokens_per_s"), t.get("tokens_per_s"))
+        tok_ratio = ratio(r.get(kind.rate_key), t.get(kind.rate_key))
         mem_ratio = ratio(r.get("peak_allocated_bytes"), t.get("peak_allocated_bytes"))
         print(f"  {str(r.get('batch')):>5}{fmt(r.get('step_ms_median'), '.1f'):>10}"
-              f"{fmt(t.get('step_ms_median'), '.1f'):>10}{fmt(r.get('tokens_per_s'), '.0f'):>12}"
-              f"{fmt(t.get('tokens_per_s'), '.0f'):>12}{fmt(tok_ratio, '.3f'):>12}"
+              f"{fmt(t.get('step_ms_median'), '.1f'):>10}{fmt(r.get(kind.rate_key), '.0f'):>12}"
+              f"{fmt(t.get(kind.rate_key), '.0f'):>12}{fmt(tok_ratio, '.3f'):>12}"
               f"{fmt(mib(r.get('peak_allocated_bytes')), '.0f'):>10}{fmt(mib(t.get('peak_allocated_bytes')), '.0f'):>11}"
               f"{fmt(mem_ratio, '.3f'):>10}{fmt(first, '.4f'):>14}"
               f"{fmt(first_torch, '.4f'):>9}"
@@ -254,8 +282,8 @@ def compare_gpt2(ours, torch_, summary, key="gpt2", label=""):
             ours_host_rss_growth=host[0] if host else None, torch_host_rss_growth=host[1] if host else None,
             host_memory_ratio=ratio(*host) if host else None,
             ours_step_ms=r.get("step_ms_median"), torch_step_ms=t.get("step_ms_median"),
-            ours_tokens_per_s=r.get("tokens_per_s"),
-            torch_tokens_per_s=t.get("tokens_per_s"), tokens_per_s_ratio=tok_ratio,
+            **{f"ours_{kind.rate_key}": r.get(kind.rate_key), f"torch_{kind.rate_key}": t.get(kind.rate_key),
+               f"{kind.rate_key}_ratio": tok_ratio},
             ours_peak_allocated=r.get("peak_allocated_bytes"), torch_peak_allocated=t.get("peak_allocated_bytes"),
             memory_ratio=mem_ratio, first_loss_ours=first, first_loss_torch=first_torch,
             max_loss_difference=max_diff, losses_agree=losses_ok, no_slower_than_torch=faster,
@@ -393,7 +421,7 @@ def simt_note(ours):
         if "simt" in str(ours.get("attention", "")) else []
 
 
-def plot_gpt2_loss(ours, torch_, path):
+def plot_training_loss(ours, torch_, path, kind=GPT, torch_file="torch_gpt2.json"):
     # PyTorch's line dashed over ours: the two runs' losses agree closely, and one would hide the other.
     sides = [("ours", OURS, ours, None), ("PyTorch", TORCH, torch_, "7,4")]
     panels = {}  # micro-batch -> {side: losses}, in the order the runs were made
@@ -415,15 +443,16 @@ def plot_gpt2_loss(ours, torch_, path):
             else:
                 notes.append(f"{who}, micro-batch {b}: no losses recorded")
     if not torch_:
-        notes.append("torch_gpt2.json: not found (ours only)")
+        notes.append(f"{torch_file}: not found (ours only)")
     warmup = finite(ours.get("warmup"))
     warmup = finite((torch_ or {}).get("warmup")) if warmup is None else warmup
     cols = max(1, min(3, len(panels)))
     pw, ph, left, gap = 360, 230, 75, 40
     width = left + cols * pw + (cols - 1) * (left + gap - 20) + 30
-    title = (f"GPT ({ours.get('model')}) training loss per optimizer step, ours vs PyTorch, "
+    title = (f"{kind.name} ({ours.get('model')}) training loss per optimizer step, ours vs PyTorch, "
              f"{on_devices(ours, torch_)}")
-    subtitle = ("Both runs start from the same weights and tokens"
+    subtitle = ("Both runs start from the same weights and see the same "
+                + ("tokens" if kind is GPT else "images")
                 + (f"; the grey band is the {warmup:g} warm-up steps (not timed)" if warmup else ""))
     fig = Figure(width, title, subtitle)
     fig.legend([(who, colour, "dash" if dash else "line") for who, colour, j, dash in sides if j])
@@ -442,7 +471,7 @@ def plot_gpt2_loss(ours, torch_, path):
     fig.save(path)
 
 
-def plot_gpt2_step(ours, torch_, path):
+def plot_training_step(ours, torch_, path, kind=GPT, torch_file="torch_gpt2.json"):
     theirs = {r.get("batch"): r for r in runs_of(torch_) if not r.get("error")}
     notes = simt_note(ours) + [f"{who}, micro-batch {r.get('batch')}: failed, left out: {r['error']}"
                                for who, j in (("ours", ours), ("PyTorch", torch_)) for r in runs_of(j)
@@ -450,7 +479,7 @@ def plot_gpt2_step(ours, torch_, path):
     if ours.get("error"):
         notes.insert(0, f"ours: failed before any run: {ours['error']}")
     if not torch_:
-        notes.append("torch_gpt2.json: not found (ours only)")
+        notes.append(f"{torch_file}: not found (ours only)")
     mine = {r.get("batch"): r for r in runs_of(ours) if not r.get("error")}
     batches = list(mine) + [b for b in theirs if b not in mine]
     memory = ("peak allocated memory", "GiB", "peak_allocated_bytes", gib)
@@ -465,7 +494,7 @@ def plot_gpt2_step(ours, torch_, path):
     categories = [f"B = {b}" for b in batches]
     w, h, left = max(240, 115 * len(batches)), 250, 80
     width = 2 * (left + w) + 40
-    title = (f"GPT ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
+    title = (f"{kind.name} ({ours.get('model')}) training step, ours vs PyTorch, by micro-batch, "
              f"{on_devices(ours, torch_)}")
     fig = Figure(width, title, f"Median time per optimizer step after the warm-up and {memory_note}; "
                                "lower is better")
@@ -600,14 +629,20 @@ def write_plots(directory, files):
     device_name = next((j.get("device") for n, j in files.items()
                         if isinstance(j, dict) and j.get("device") and not n.startswith("torch_")), None)
     plots = [("gpt2_loss.svg", "gpt2.json",
-              lambda j, path: plot_gpt2_loss(j, files.get("torch_gpt2.json"), path)),
+              lambda j, path: plot_training_loss(j, files.get("torch_gpt2.json"), path)),
              ("gpt2_step.svg", "gpt2.json",
-              lambda j, path: plot_gpt2_step(j, files.get("torch_gpt2.json"), path)),
+              lambda j, path: plot_training_step(j, files.get("torch_gpt2.json"), path)),
              ("kernels.svg", "kernels.json",
               lambda j, path: plot_kernels(j, files.get("torch_kernels.json"), path)),
              ("attention.svg", "attention.json",
               lambda j, path: plot_attention(j, files.get("torch_attention.json"), path)),
              ("planner.svg", "planner.json", lambda j, path: plot_planner(j, device_name, path))]
+    for model in (m for m in IMAGE_MODELS if f"image_{m}.json" in files):  # only where they ran
+        theirs = files.get(f"torch_image_{model}.json")
+        plots += [(f"image_{model}_loss.svg", f"image_{model}.json",
+                   lambda j, path, t=theirs, m=model: plot_training_loss(j, t, path, IMAGE, f"torch_image_{m}.json")),
+                  (f"image_{model}_step.svg", f"image_{model}.json",
+                   lambda j, path, t=theirs, m=model: plot_training_step(j, t, path, IMAGE, f"torch_image_{m}.json"))]
     for name, source, draw in plots:
         if not isinstance(files.get(source), dict):
             print(f"  {name}: skipped ({source} not found)")
@@ -632,7 +667,7 @@ def main():
     p.add_argument("--plots", default="", metavar="PLOTDIR")
     a = p.parse_args()
     summary = {"kernels": {}, "gpt2": {}, "gpt2_simt": {}, "planner": {}, "attention": {},
-               "not_checked": [], "unreadable": []}
+               **{f"image_{m}": {} for m in IMAGE_MODELS}, "not_checked": [], "unreadable": []}
     unreadable = summary["unreadable"]
     ok = True
     files = {}  # what was read, for the plots
@@ -646,13 +681,19 @@ def main():
     if ours or simt:
         torch_ = files["torch_gpt2.json"] = load(a.dir, "torch_gpt2.json", unreadable)
     if ours:
-        ok = compare_gpt2(ours, torch_, summary) and ok
+        ok = compare_training(ours, torch_, summary) and ok
     elif simt and "gpt2.json" not in unreadable:
         print("  (gpt2.json: the tensor-core run left no result, counted as failed)")
         ok = False
     if simt:
-        ok = compare_gpt2(simt, torch_, summary, "gpt2_simt",
+        ok = compare_training(simt, torch_, summary, "gpt2_simt",
                           ", on the f32-math attention kernel (gpt2_simt.json, MB_ATTENTION_KERNEL=simt)") and ok
+    for model in IMAGE_MODELS:  # the CPU comparison's Fashion-MNIST models, where it wrote them
+        ours = load(a.dir, f"image_{model}.json", unreadable, missing_note=False)
+        if ours:
+            files[f"image_{model}.json"] = ours
+            torch_ = files[f"torch_image_{model}.json"] = load(a.dir, f"torch_image_{model}.json", unreadable)
+            ok = compare_training(ours, torch_, summary, f"image_{model}", kind=IMAGE) and ok
     planner = files["planner.json"] = load(a.dir, "planner.json", unreadable)
     if planner:
         ok = compare_planner(planner, summary) and ok
@@ -661,7 +702,8 @@ def main():
     if ours:
         files["torch_attention.json"] = load(a.dir, "torch_attention.json", unreadable)
         compare_attention(ours, files["torch_attention.json"], summary)
-    found = any(files.get(n) for n in ("kernels.json", "gpt2.json", "gpt2_simt.json", "planner.json")) or \
+    found = any(files.get(n) for n in ("kernels.json", "gpt2.json", "gpt2_simt.json", "planner.json",
+                                       *(f"image_{m}.json" for m in IMAGE_MODELS))) or \
         bool(unreadable)
     if a.plots:
         # The plots follow the GPT-2 file that measured something.

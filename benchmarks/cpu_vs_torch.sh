@@ -15,10 +15,17 @@
 # share of the rows), so the losses are the one-process run's to rounding. Into OUTDIR/processesN,
 # compared there the same way.
 #
+# Last, the Fashion-MNIST MLP and CNN in one process (MB_CPU_BENCH_IMAGE_MODELS, "mlp cnn"; empty
+# skips them), f32, at batches MB_CPU_BENCH_IMAGE_BATCH ("64,256"), on the dataset's first images in
+# order (MB_CPU_BENCH_IMAGE_DATA: its folder, /usr/share/datasets/fashion-mnist, or "synthetic"):
+# bench_image_cuda against benchmarks/torch_image.py, from the same weights on the same images, into
+# OUTDIR/images, compared there. Each comparison that misses a check makes the script's exit status
+# 1, and the ones after it still run.
+#
 #   bash benchmarks/cpu_vs_torch.sh BUILD_DIR OUTDIR
 #
-# BUILD_DIR holds bench_gpt2_cuda (a CUDA-enabled build configured with -DMB_BUILD_BENCHMARKS=ON;
-# its CPU mode needs no GPU). Environment: MB_CPU_BENCH_BATCH (32), MB_CPU_BENCH_STEPS (30),
+# BUILD_DIR holds bench_gpt2_cuda and bench_image_cuda (a CUDA-enabled build configured with
+# -DMB_BUILD_BENCHMARKS=ON; their CPU mode needs no GPU). Environment: MB_CPU_BENCH_BATCH (32), MB_CPU_BENCH_STEPS (30),
 # MB_CPU_BENCH_WARMUP (3), MB_CPU_BENCH_THREADS (every core), MB_CPU_BENCH_PROCESSES (2),
 # MB_TORCH_PYTHON (/usr/bin/python3, where Debian's python3-torch lives).
 #
@@ -37,11 +44,21 @@ mkdir -p "$2"
 out=$(realpath "$2")
 cd "$(dirname "$0")/.."
 bench="$build/bench_gpt2_cuda"
-if [[ ! -x "$bench" ]]; then
-  echo "cpu_vs_torch: $bench is missing: configure a CUDA-enabled build with" \
-       "-DMB_BUILD_BENCHMARKS=ON and build bench_gpt2_cuda" >&2
-  exit 2
-fi
+bench_image="$build/bench_image_cuda"
+image_models="${MB_CPU_BENCH_IMAGE_MODELS-mlp cnn}"
+for program in "$bench" ${image_models:+"$bench_image"}; do
+  if [[ ! -x "$program" ]]; then
+    echo "cpu_vs_torch: $program is missing: configure a CUDA-enabled build with" \
+         "-DMB_BUILD_BENCHMARKS=ON and build it" >&2
+    exit 2
+  fi
+done
+for model in $image_models; do
+  if [[ "$model" != mlp && "$model" != cnn ]]; then
+    echo "cpu_vs_torch: MB_CPU_BENCH_IMAGE_MODELS names '$model'; the models are mlp and cnn" >&2
+    exit 2
+  fi
+done
 py="${MB_TORCH_PYTHON:-/usr/bin/python3}"
 if ! "$py" -c "import torch" 2>/dev/null; then
   echo "cpu_vs_torch: $py cannot import torch (Debian: apt-get install python3-torch)" >&2
@@ -82,14 +99,33 @@ rm -f "$out/gpt2.json" "$out/torch_gpt2.json"
 "$py" benchmarks/torch_gpt2.py --device cpu --precision f32 --weights "$out/gpt2_init.safetensors" \
   --tokens "$out/gpt2_tokens.safetensors" --batch "$batch" --steps "$steps" --warmup "$warmup" \
   --json "$out/torch_gpt2.json"
-python3 benchmarks/compare.py "$out" --json "$out/summary.json" --plots "$out/plots"
+status=0
+python3 benchmarks/compare.py "$out" --json "$out/summary.json" --plots "$out/plots" || status=1
+
+# The Fashion-MNIST models in one process (OUTDIR/images), after the data-parallel runs.
+image_runs() {
+  local images="$out/images" image_batch="${MB_CPU_BENCH_IMAGE_BATCH:-64,256}"
+  local data="${MB_CPU_BENCH_IMAGE_DATA:-/usr/share/datasets/fashion-mnist}"
+  [[ -n "$image_models" ]] || return 0
+  mkdir -p "$images"
+  for model in $image_models; do
+    rm -f "$images/image_$model.json" "$images/torch_image_$model.json"
+    "$bench_image" --device cpu --model "$model" --batch "$image_batch" --steps "$steps" \
+      --warmup "$warmup" --data "$data" --out-dir "$images" --json "$images/image_$model.json" || status=1
+    "$py" benchmarks/torch_image.py --device cpu --weights "$images/image_${model}_init.safetensors" \
+      --batches "$images/image_${model}_batches.safetensors" --batch "$image_batch" --steps "$steps" \
+      --warmup "$warmup" --json "$images/torch_image_$model.json" || status=1
+  done
+  python3 benchmarks/compare.py "$images" --json "$images/summary.json" --plots "$images/plots" || status=1
+}
 
 processes="${MB_CPU_BENCH_PROCESSES:-2}"
-if [[ "$processes" == 0 ]]; then exit 0; fi
+if [[ "$processes" == 0 ]]; then image_runs; exit "$status"; fi
 if ! command -v mpirun > /dev/null || ! mpirun --version 2>&1 | grep -q "Open MPI"; then
   echo "cpu_vs_torch: no Open MPI mpirun here (apt-get install openmpi-bin): the data-parallel" \
        "runs are skipped"
-  exit 0
+  image_runs
+  exit "$status"
 fi
 if (( batch % processes != 0 )); then
   echo "cpu_vs_torch: the batch of $batch does not split over $processes processes" >&2
@@ -127,4 +163,6 @@ for name in ("gpt2.json", "torch_gpt2.json"):
     if got != int(sys.argv[2]):
         sys.exit(f"cpu_vs_torch: {name} ran in {got} processes, not {sys.argv[2]}")
 PY
-python3 benchmarks/compare.py "$dp" --json "$dp/summary.json" --plots "$dp/plots"
+python3 benchmarks/compare.py "$dp" --json "$dp/summary.json" --plots "$dp/plots" || status=1
+image_runs
+exit "$status"

@@ -54,7 +54,6 @@
 #include <fstream>
 #include <map>
 #include <random>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -100,16 +99,6 @@ std::pair<std::string, mb::nn::GPTConfig> model_named(const std::string& name) {
   if (name == "char") return {"char", char_gpt()};
   if (name == "tiny") return {"tiny", tiny()};
   mb::detail::throw_error(fmt::format("--model {}: expected gpt2, char or tiny", name));
-}
-
-std::vector<std::int64_t> parse_list(const std::string& text) {
-  std::vector<std::int64_t> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(std::stoll(item));
-  MB_CHECK(!out.empty(), "[bench_gpt2_cuda] --batch needs sizes such as 8,16");
-  for (std::int64_t b : out) MB_CHECK(b >= 1, "[bench_gpt2_cuda] --batch {}: sizes are >= 1", b);
-  return out;
 }
 
 // (B, T + 1) uniform token ids in [0, vocab), from a seeded generator.
@@ -201,7 +190,7 @@ int main(int argc, char** argv) {
   int steps = 0, warmup = 0, profile_steps = 0;
   mb::Device dev = mb::kCPU;
   try {
-    batches = parse_list(args.get("--batch", "8,16"));
+    batches = mb::bench::parse_sizes(args.get("--batch", "8,16"), "bench_gpt2_cuda");
     steps = static_cast<int>(args.get_int("--steps", 10));
     warmup = static_cast<int>(args.get_int("--warmup", 3));
     profile_steps = static_cast<int>(args.get_int("--profile-steps", 3));

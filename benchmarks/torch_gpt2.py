@@ -39,16 +39,15 @@ and writes the JSON; the losses are the means over the ranks, the memory figures
 failure on any rank ends every rank, the batch sizes after it not run (rank 0 writes its JSON
 first when the failure is its own).
 
-The safetensors files are read by a small reader below: the GPU machine has no safetensors package.
+The safetensors files are read by a small reader (torch_timing.py): the GPU machine has no
+safetensors package.
 """
 import argparse
-import ctypes
 import gc
 import json
 import math
 import os
 import statistics
-import struct
 import sys
 
 try:
@@ -56,35 +55,10 @@ try:
     import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch_timing import Timer
+    from torch_timing import Timer, read_safetensors, release_free_heap, reset_resident_peak, resident_memory
 except ImportError:
     print("torch_gpt2: PyTorch is not installed for", sys.executable, file=sys.stderr)
     sys.exit(3)
-
-DTYPES = {"F32": torch.float32, "F64": torch.float64, "F16": torch.float16, "BF16": torch.bfloat16,
-          "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def read_safetensors(path):
-    """Returns ({name: CPU tensor}, metadata) for a safetensors file."""
-    with open(path, "rb") as f:
-        data = f.read()
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > 100_000_000 or 8 + n > len(data):
-        raise ValueError(f"{path}: bad header length {n}")
-    header = json.loads(data[8:8 + n].decode("utf-8"))
-    metadata = header.pop("__metadata__", {}) or {}
-    body = memoryview(data)[8 + n:]
-    tensors = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        dtype = DTYPES[info["dtype"]]
-        shape = info["shape"]
-        raw = bytearray(body[begin:end])
-        t = torch.frombuffer(raw, dtype=dtype) if len(raw) > 0 else torch.empty(0, dtype=dtype)
-        tensors[name] = t.reshape(shape).clone()
-    return tensors, metadata
-
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd, n_head):
@@ -142,40 +116,6 @@ def world():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def resident_memory():
-    """(VmRSS, VmHWM) of this process in bytes, from Linux's /proc/self/status; None each where
-    missing. bench_gpt2_cuda reads the same lines (benchmarks/bench_util.h, ResidentMemory)."""
-    found = {}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key in ("VmRSS", "VmHWM") and rest.split():
-                    found[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return found.get("VmRSS"), found.get("VmHWM")
-
-
-def release_free_heap():
-    """Hands the C heap's free pages back to the system (glibc's malloc_trim), as bench_gpt2_cuda
-    does before its baseline: what an earlier run freed and malloc kept would raise it."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def reset_resident_peak():
-    """Sets VmHWM to the current resident size (Linux 4.0 and later); False where refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def run_batch(B, a, cfg, weights, tokens, device, autocast):

@@ -526,6 +526,7 @@ check "and says so" stage_message values prebuilt "failed a check of values"
 # cpu_vs_torch.sh takes its folders relative to where it is started (it stops at the torch check).
 mkdir -p "$WORK/cwd/b"
 cp "$STUB/bench_gpt2_cuda" "$WORK/cwd/b/"
+cp "$STUB/bench_gpt2_cuda" "$WORK/cwd/b/bench_image_cuda"  # the script checks that both are there
 OUT_NAME="cpu_vs_torch_out.$$"
 (cd "$WORK/cwd" && MB_TORCH_PYTHON="$WORK/notorch/python" bash "$ROOT/benchmarks/cpu_vs_torch.sh" b "$OUT_NAME") \
   >"$WORK/cwd.log" 2>&1
