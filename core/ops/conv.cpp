@@ -230,6 +230,16 @@ Tensor conv2d_dx(const Tensor& dy, const Tensor& weight, const Window2d& w, cons
   return dx;
 }
 
+// dbias (O) = g (N, O, H', W') summed over all but O. In f32 and f64 first along each row of H'W'
+// (contiguous: twice as fast as one sum over dims 0, 2 and 3), then over the images; a 16-bit g in
+// one sum, whose f64 accumulator rounds once (16-bit row sums would each round first).
+Tensor bias_gradient(const Tensor& g) {
+  if (is_16bit_float(g.dtype())) return sum(g, {0, 2, 3});
+  const std::int64_t batch = g.shape()[0], channels = g.shape()[1];
+  const Tensor rows = sum(g.reshape({batch * channels, g.shape()[2] * g.shape()[3]}), {1});
+  return sum(rows.view({batch, channels}), {0});
+}
+
 // out (N, O, H', W') = conv(x, weight) + bias through cuDNN; false when it could not run.
 bool conv2d_forward_cudnn(const Tensor& x, const Tensor& weight, const Tensor& bias, Tensor& out,
                           const Window2d& w) {
@@ -365,7 +375,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Conv2dO
              if (rw && !dweight.defined())
                dweight = conv2d_dweight(dy, sx.get(), w, weight_shape, g.dtype());
            }
-           if (rb) dbias = sum(g, {0, 2, 3});
+           if (rb) dbias = bias_gradient(g);
            return std::vector<Tensor>{dx, dweight, dbias};
          });
   return out;

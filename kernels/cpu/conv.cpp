@@ -49,8 +49,15 @@ void im2col_typed(const StridedView& x, const StridedView& col, const Window2d& 
           }
           const T* in = src + c * sc + (oh * w.stride - w.padding + i) * sh;
           for (std::int64_t ow = 0; ow < ow_lo; ++ow) out[ow] = C(0);
-          for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow)
-            out[ow] = static_cast<C>(static_cast<compute_t<T>>(in[(ow * w.stride - w.padding + j) * sw]));
+          if (w.stride == 1 && sw == 1) {  // a contiguous run: a copy the compiler vectorizes
+            const T* run = in - w.padding + j;
+            for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow)
+              out[ow] = static_cast<C>(static_cast<compute_t<T>>(run[ow]));
+          } else {
+            for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow)
+              out[ow] = static_cast<C>(
+                  static_cast<compute_t<T>>(in[(ow * w.stride - w.padding + j) * sw]));
+          }
           for (std::int64_t ow = ow_hi; ow < w.out_w; ++ow) out[ow] = C(0);
         }
       }
@@ -74,7 +81,13 @@ void col2im_typed(const StridedView& col, const StridedView& dx, const Window2d&
         for (std::int64_t oh = oh_lo; oh < oh_hi; ++oh) {
           C* out = dst + (c * w.height + oh * w.stride - w.padding + i) * w.width;
           const C* in = row + oh * w.out_w;
-          for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow) out[ow * w.stride - w.padding + j] += in[ow];
+          if (w.stride == 1) {  // contiguous runs on both sides: vectorized adds
+            C* run = out - w.padding + j;
+            for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow) run[ow] += in[ow];
+          } else {
+            for (std::int64_t ow = ow_lo; ow < ow_hi; ++ow)
+              out[ow * w.stride - w.padding + j] += in[ow];
+          }
         }
       }
     }
@@ -157,17 +170,21 @@ void max_pool2d_backward(const StridedView& dy, const StridedView& indices, cons
     const T* g = dy.ptr<const T>();
     const std::int64_t* idx = indices.ptr<const std::int64_t>();
     T* dst = dx.ptr<T>();
-    const std::int64_t batch = dy.shape[0], plane = w.height * w.width;
-    for (std::int64_t n = 0; n < batch; ++n) {
-      for (std::int64_t c = 0; c < w.channels; ++c) {
-        T* out = dst + (n * w.channels + c) * plane;
-        for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
-          for (std::int64_t ow = 0; ow < w.out_w; ++ow) {
-            const std::int64_t at = idx[n * indices.strides[0] + c * indices.strides[1] +
-                                        oh * indices.strides[2] + ow * indices.strides[3]];
-            const T v = g[n * dy.strides[0] + c * dy.strides[1] + oh * dy.strides[2] + ow * dy.strides[3]];
-            out[at] = static_cast<T>(static_cast<compute_t<T>>(out[at]) + static_cast<compute_t<T>>(v));
-          }
+    const std::int64_t planes = dy.shape[0] * w.channels, plane = w.height * w.width;
+    // Each plane (n, c) takes only its own windows' gradients, in the same order whichever
+    // thread adds them: the planes are shared among the threads.
+#pragma omp parallel for schedule(static) if (planes * w.out_h * w.out_w >= kParallelOutputs)
+    for (std::int64_t p = 0; p < planes; ++p) {
+      const std::int64_t n = p / w.channels, c = p % w.channels;
+      T* out = dst + p * plane;
+      const std::int64_t* plane_idx = idx + n * indices.strides[0] + c * indices.strides[1];
+      const T* plane_g = g + n * dy.strides[0] + c * dy.strides[1];
+      for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
+        for (std::int64_t ow = 0; ow < w.out_w; ++ow) {
+          const std::int64_t at = plane_idx[oh * indices.strides[2] + ow * indices.strides[3]];
+          const T v = plane_g[oh * dy.strides[2] + ow * dy.strides[3]];
+          out[at] =
+              static_cast<T>(static_cast<compute_t<T>>(out[at]) + static_cast<compute_t<T>>(v));
         }
       }
     }
