@@ -196,20 +196,26 @@ int run_bench(Options& o) {
   namespace fs = std::filesystem;
   MB_CHECK(o.steps >= 1, "[bench] --steps must be >= 1, got {}", o.steps);
   MB_CHECK(o.warmup >= 0, "[bench] --warmup must be >= 0, got {}", o.warmup);
+  // The arguments a --config file sets, which it would otherwise override here unannounced.
+  const nlohmann::json file =
+      o.config.empty() ? nlohmann::json::object() : mb::train::read_arguments_file(o.config);
   for (const char* name : {"max_steps", "num_train_epochs", "logging_steps", "eval_strategy",
                            "eval_steps", "save_strategy", "save_steps", "resume_from_checkpoint"}) {
-    MB_CHECK(
-        o.given_options.at(name)->count() == 0,
-        "[bench] {} is the benchmark's own: it trains --warmup + --steps steps, logs each, and "
-        "neither evaluates nor saves",
-        o.given_options.at(name)->get_name());
+    constexpr const char* kOwn =
+        "is the benchmark's own: it trains --warmup + --steps steps, logs each, and neither "
+        "evaluates nor saves";
+    MB_CHECK(o.given_options.at(name)->count() == 0, "[bench] {} {}",
+             o.given_options.at(name)->get_name(), kOwn);
+    MB_CHECK(!file.contains(name), "[bench] {} in {} {}", name, o.config, kOwn);
   }
   mb::train::TrainingArguments args = training_arguments(o);
   args.max_steps = o.warmup + o.steps;
   args.logging_steps = 1;
   args.eval_strategy = "no";
   args.save_strategy = "no";
-  const bool temporary = o.given_options.at("output_dir")->count() == 0 && o.config.empty();
+  // Into a temporary folder unless the flag or the config file names one.
+  const bool temporary =
+      o.given_options.at("output_dir")->count() == 0 && !file.contains("output_dir");
   mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
   if (temporary) {
     // Rank 0's folder, shared with the other ranks, which write nothing into it.

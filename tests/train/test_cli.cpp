@@ -467,6 +467,9 @@ TEST_CASE("the command: train --init-weights starts from a weights file or a che
 TEST_CASE("the command: bench times the Trainer's steps and reads back its own log") {
   TempDir dir;
   const fs::path out = dir.path / "out.txt", tmp = dir.path / "tmp", kept = dir.path / "kept";
+  const fs::path own = dir.path / "own.json", plain = dir.path / "plain.json",
+                 named = dir.path / "named.json";
+  std::ofstream(own) << R"({"save_steps": 5})";
   fs::create_directories(tmp);
   const std::string model =
       "bench --model gpt --dataset synthetic --synthetic-size 256 --vocab-size 32 --n-layer 1 "
@@ -516,8 +519,26 @@ TEST_CASE("the command: bench times the Trainer's steps and reads back its own l
                     "--steps steps"},
                    {model + " --eval-strategy steps",
                     "error: [bench] --eval-strategy is the "
-                    "benchmark's own"}},
+                    "benchmark's own"},
+                   {model + " --config " + own.string(),
+                    "error: [bench] save_steps in " + own.string() + " is the benchmark's own"}},
                   out);
+  // A config file without output_dir leaves the run in a temporary folder, as no flag does; one
+  // that names it keeps the run there.
+  std::ofstream(plain) << R"({"seed": 3})";
+  ::setenv("TMPDIR", tmp.c_str(), 1);
+  const CommandResult configured =
+      run_command(model + " --config " + plain.string(), out, dir.path);
+  ::unsetenv("TMPDIR");
+  INFO(configured.output);
+  CHECK(configured.status == 0);
+  CHECK(fs::is_empty(tmp));
+  CHECK(!fs::exists(dir.path / "runs"));  // the command's default output_dir, runs/microbatch
+  std::ofstream(named) << fmt::format(R"({{"output_dir": "{}"}})", (dir.path / "named").string());
+  const CommandResult kept_by_file = run_command(model + " --config " + named.string(), out);
+  INFO(kept_by_file.output);
+  CHECK(kept_by_file.status == 0);
+  CHECK(step_lines(dir.path / "named").size() == 4);
 }
 
 TEST_CASE("the command: --json and a config file's json, flags over the file, for train and plan") {
