@@ -27,12 +27,44 @@ void valid_range(std::int64_t size, std::int64_t out, std::int64_t stride, std::
   if (lo > hi) lo = hi;
 }
 
+// One tap (i, j) of im2col where the stride is 1 and x's rows (contiguous, one after another) are
+// as wide as the output's: the tap's valid rows [oh_lo, oh_hi) read one contiguous run of the
+// plane, shifted by j - padding, so they are copied as one run (which the compiler vectorizes); the
+// columns outside [ow_lo, ow_hi), which that run filled with the neighbouring rows' ends, and the
+// rows outside [oh_lo, oh_hi) are then zeroed. The values are those of the row-by-row loop.
+template <class T, class C>
+void im2col_tap_block(const T* plane, C* row, const Window2d& w, std::int64_t i, std::int64_t j,
+                      std::int64_t oh_lo, std::int64_t oh_hi, std::int64_t ow_lo,
+                      std::int64_t ow_hi) {
+  const std::int64_t width = w.out_w;
+  for (std::int64_t e = 0; e < oh_lo * width; ++e) row[e] = C(0);
+  for (std::int64_t e = oh_hi * width; e < w.out_h * width; ++e) row[e] = C(0);
+  if (oh_hi <= oh_lo || ow_hi <= ow_lo) {
+    for (std::int64_t e = oh_lo * width; e < oh_hi * width; ++e) row[e] = C(0);
+    return;
+  }
+  C* block = row + oh_lo * width;
+  const T* from = plane + (oh_lo - w.padding + i) * width;  // x's row of output row oh_lo
+  const std::int64_t shift = j - w.padding;
+  const std::int64_t end = (oh_hi - oh_lo - 1) * width + ow_hi;  // one past the last valid element
+  for (std::int64_t e = ow_lo; e < end; ++e)
+    block[e] = static_cast<C>(static_cast<compute_t<T>>(from[e + shift]));
+  for (std::int64_t r = 0; r < oh_hi - oh_lo; ++r) {
+    C* out = block + r * width;
+    for (std::int64_t ow = 0; ow < ow_lo; ++ow) out[ow] = C(0);
+    for (std::int64_t ow = ow_hi; ow < width; ++ow) out[ow] = C(0);
+  }
+}
+
 template <class T, class C>
 void im2col_typed(const StridedView& x, const StridedView& col, const Window2d& w) {
   const T* src = x.ptr<const T>();
   C* dst = col.ptr<C>();
   const std::int64_t sc = x.strides[0], sh = x.strides[1], sw = x.strides[2];
   const std::int64_t cols = w.col_cols();
+  // Stride 1 over contiguous rows as wide as the output's ("same" padding): a tap's rows are one
+  // run.
+  const bool same_size_rows = w.stride == 1 && sw == 1 && sh == w.width && w.out_w == w.width;
   for (std::int64_t c = 0; c < w.channels; ++c) {
     for (std::int64_t i = 0; i < w.kernel_h; ++i) {
       std::int64_t oh_lo, oh_hi;
@@ -41,6 +73,10 @@ void im2col_typed(const StridedView& x, const StridedView& col, const Window2d& 
         std::int64_t ow_lo, ow_hi;
         valid_range(w.width, w.out_w, w.stride, w.padding, j, ow_lo, ow_hi);
         C* row = dst + ((c * w.kernel_h + i) * w.kernel_w + j) * cols;  // (H', W') of this tap
+        if (same_size_rows) {
+          im2col_tap_block(src + c * sc, row, w, i, j, oh_lo, oh_hi, ow_lo, ow_hi);
+          continue;
+        }
         for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
           C* out = row + oh * w.out_w;
           if (oh < oh_lo || oh >= oh_hi) {

@@ -134,6 +134,7 @@ struct WindowCase {
 const WindowCase kWindowCases[] = {
     {{2, 3, 6, 6}, 3, 3, 1, 1}, {{1, 2, 7, 5}, 2, 3, 2, 0}, {{2, 1, 5, 5}, 3, 3, 2, 1},
     {{1, 2, 5, 5}, 2, 2, 3, 1}, {{1, 1, 1, 1}, 1, 1, 1, 0}, {{1, 2, 9, 9}, 4, 4, 3, 2},
+    {{2, 2, 4, 7}, 5, 5, 1, 2}, {{1, 2, 6, 6}, 3, 1, 1, 1},
 };
 
 }  // namespace
@@ -149,14 +150,18 @@ TEST_CASE("the CUDA kernels' per-element math matches the CPU kernels bit for bi
       dispatch_float(dt, "test", [&]<class T>() {
         using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
         const DType col_dtype = std::is_same_v<C, double> ? DType::f64 : DType::f32;
-        // im2col of one image from a strided x.
-        const Tensor x = non_contiguous(levels(wc.x, dt, 1)).select(0, 0);  // (C, H, W)
-        Tensor col = empty({w.col_rows(), w.col_cols()}, {.dtype = col_dtype});
-        kernels::cpu::im2col(x.kview(), col.kview(), w);
+        // im2col of one image from a strided x, and from a contiguous one (the CPU's paths for
+        // contiguous runs and, with stride 1 and "same" padding, for a tap's rows as one run).
         std::vector<double> got;
-        for (std::int64_t e = 0; e < col.numel(); ++e)
-          got.push_back(kernels::im2col_element<T, C>(x.kview(), w, e));
-        CHECK(same_values(got, col.to_vector()));
+        for (const Tensor& x : {non_contiguous(levels(wc.x, dt, 1)).select(0, 0),  // (C, H, W)
+                                levels(wc.x, dt, 1).select(0, 0)}) {
+          Tensor col = empty({w.col_rows(), w.col_cols()}, {.dtype = col_dtype});
+          kernels::cpu::im2col(x.kview(), col.kview(), w);
+          got.clear();
+          for (std::int64_t e = 0; e < col.numel(); ++e)
+            got.push_back(kernels::im2col_element<T, C>(x.kview(), w, e));
+          CHECK(same_values(got, col.to_vector()));
+        }
 
         // col2im onto a non-zero image.
         const Tensor dcol = input({w.col_rows(), w.col_cols()}, -1, 1, 2).detach().to(col_dtype);
