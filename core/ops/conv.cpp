@@ -183,7 +183,7 @@ Tensor conv2d_dweight(const Tensor& dy, const Tensor& x, const Window2d& w, cons
     const int team = static_cast<int>(slots);
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const std::int64_t slot = image_slot();
       const StridedView mine = keep_one(cv, slot);
       k.im2col(drop_first(xv, n), matrix(mine), w);
       k.gemm(keep_one(gv, n), transposed(mine), keep_one(pv, slot), 1.0, 1.0);
@@ -218,7 +218,7 @@ Tensor conv2d_dx(const Tensor& dy, const Tensor& weight, const Window2d& w, cons
     const int team = static_cast<int>(slots);
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const std::int64_t slot = image_slot();
       const StridedView mine = keep_one(dv, slot);
       k.gemm(transposed(wm.kview()), keep_one(gv, n), mine, 1.0, 0.0);
       const StridedView target = image.defined() ? drop_first(planes, slot) : drop_first(xv, n);
@@ -314,7 +314,7 @@ void conv2d_forward_im2col(const Tensor& x, const Tensor& weight, const Tensor& 
     const int team = static_cast<int>(slots);
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (std::int64_t n = 0; n < batch; ++n) {
-      const std::int64_t slot = slots > 1 ? image_slot() : 0;
+      const std::int64_t slot = image_slot();
       const StridedView mine = keep_one(cv, slot);
       k.im2col(drop_first(xv, n), matrix(mine), w);
       const StridedView target = acc.defined() ? keep_one(av, slot) : keep_one(ov, n);

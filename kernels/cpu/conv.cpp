@@ -130,49 +130,6 @@ void col2im_typed(const StridedView& col, const StridedView& dx, const Window2d&
   }
 }
 
-// max_pool2d a plane (n, c) at a time, the planes shared among the threads. Each window is scanned
-// as the CUDA kernel scans it (max_pool2d_element in kernels/conv.h: rows, then columns, with
-// pool_takes), so the values and indices are the same, without that function's index arithmetic
-// per output. kK > 0: the window is kK x kK and x's rows have unit stride (the caller checked);
-// 0: the window and strides as `w` and x give them.
-template <class T, int kK>
-void max_pool2d_planes(const StridedView& x, const StridedView& out, const StridedView& indices,
-                       const Window2d& w) {
-  using C = compute_t<T>;
-  const std::int64_t kh = kK > 0 ? kK : w.kernel_h, kw = kK > 0 ? kK : w.kernel_w;
-  const std::int64_t sw = kK > 0 ? 1 : x.strides[3];
-  const std::int64_t planes = x.shape[0] * w.channels, plane_out = w.out_h * w.out_w;
-#pragma omp parallel for schedule(static) if (planes * plane_out >= kParallelOutputs)
-  for (std::int64_t p = 0; p < planes; ++p) {
-    const std::int64_t n = p / w.channels, c = p % w.channels;
-    const T* plane = x.ptr<const T>() + n * x.strides[0] + c * x.strides[1];
-    T* o = out.ptr<T>() + p * plane_out;
-    std::int64_t* at = indices.ptr<std::int64_t>() + p * plane_out;
-    for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
-      const std::int64_t h0 = oh * w.stride - w.padding;
-      const std::int64_t h_lo = h0 < 0 ? 0 : h0, h_hi = std::min(h0 + kh, w.height);
-      for (std::int64_t ow = 0; ow < w.out_w; ++ow) {
-        const std::int64_t w0 = ow * w.stride - w.padding;
-        const std::int64_t w_lo = w0 < 0 ? 0 : w0, w_hi = std::min(w0 + kw, w.width);
-        C best = -std::numeric_limits<C>::infinity();
-        std::int64_t best_at = -1;
-        for (std::int64_t h = h_lo; h < h_hi; ++h) {
-          const T* row = plane + h * x.strides[2];
-          for (std::int64_t ww = w_lo; ww < w_hi; ++ww) {
-            const C v = static_cast<C>(row[ww * sw]);
-            if (pool_takes(v, best, best_at >= 0)) {
-              best = v;
-              best_at = h * w.width + ww;
-            }
-          }
-        }
-        o[oh * w.out_w + ow] = static_cast<T>(best);
-        at[oh * w.out_w + ow] = best_at;
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void im2col(const StridedView& x, const StridedView& col, const Window2d& w) {
@@ -190,13 +147,41 @@ void col2im(const StridedView& col, const StridedView& dx, const Window2d& w) {
 void max_pool2d(const StridedView& x, const StridedView& out, const StridedView& indices,
                 const Window2d& w) {
   dispatch_float(x.dtype, "max_pool2d", [&]<class T>() {
-    // 2 x 2 windows on rows of unit stride (the usual pooling) with the window's size and the
-    // column stride known to the compiler; any other window through the same code at run time.
-    const bool two_by_two = w.kernel_h == 2 && w.kernel_w == 2 && x.strides[3] == 1;
-    if (two_by_two)
-      max_pool2d_planes<T, 2>(x, out, indices, w);
-    else
-      max_pool2d_planes<T, 0>(x, out, indices, w);
+    using C = compute_t<T>;
+    // A plane (n, c) at a time, the planes shared among the threads. Each window is scanned as the
+    // CUDA kernel scans it (max_pool2d_element in kernels/conv.h: rows, then columns, with
+    // pool_takes), so the values and indices are the same, without that function's index
+    // arithmetic per output.
+    const std::int64_t planes = x.shape[0] * w.channels, plane_out = w.out_h * w.out_w;
+#pragma omp parallel for schedule(static) if (planes * plane_out >= kParallelOutputs)
+    for (std::int64_t p = 0; p < planes; ++p) {
+      const std::int64_t n = p / w.channels, c = p % w.channels;
+      const T* plane = x.ptr<const T>() + n * x.strides[0] + c * x.strides[1];
+      T* o = out.ptr<T>() + p * plane_out;
+      std::int64_t* at = indices.ptr<std::int64_t>() + p * plane_out;
+      for (std::int64_t oh = 0; oh < w.out_h; ++oh) {
+        const std::int64_t h0 = oh * w.stride - w.padding;
+        const std::int64_t h_lo = h0 < 0 ? 0 : h0, h_hi = std::min(h0 + w.kernel_h, w.height);
+        for (std::int64_t ow = 0; ow < w.out_w; ++ow) {
+          const std::int64_t w0 = ow * w.stride - w.padding;
+          const std::int64_t w_lo = w0 < 0 ? 0 : w0, w_hi = std::min(w0 + w.kernel_w, w.width);
+          C best = -std::numeric_limits<C>::infinity();
+          std::int64_t best_at = -1;
+          for (std::int64_t h = h_lo; h < h_hi; ++h) {
+            const T* row = plane + h * x.strides[2];
+            for (std::int64_t ww = w_lo; ww < w_hi; ++ww) {
+              const C v = static_cast<C>(row[ww * x.strides[3]]);
+              if (pool_takes(v, best, best_at >= 0)) {
+                best = v;
+                best_at = h * w.width + ww;
+              }
+            }
+          }
+          o[oh * w.out_w + ow] = static_cast<T>(best);
+          at[oh * w.out_w + ow] = best_at;
+        }
+      }
+    }
   });
 }
 

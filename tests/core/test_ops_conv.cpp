@@ -403,8 +403,8 @@ TEST_CASE("conv2d and max_pool2d on several threads: one thread's results, and m
   }
 }
 
-TEST_CASE("max_pool2d's 2 x 2 path scans as the element function does: values, ties, NaN") {
-  // Contiguous rows take the CPU kernel's 2 x 2 path; max_pool2d_element is the CUDA kernel's.
+TEST_CASE("max_pool2d's plane loop scans as the element function does: values, ties, NaN") {
+  // The CPU kernel's plane loop on contiguous rows; max_pool2d_element is the CUDA kernel's scan.
   Tensor x = from_vector({1,
                           1,
                           0,
