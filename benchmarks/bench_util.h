@@ -13,12 +13,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "core/allocator.h"  // format_bytes
 #include "core/tensor.h"
 #include "kernels/cuda/runtime.h"  // current_stream(); host declarations only
 #include "kernels/device.h"
@@ -239,6 +239,24 @@ inline ResidentMemory resident_memory() {
   return m;
 }
 
+/// A CPU run's memory figure: the resident size before its model was built and the peak since the
+/// peak was reset (reset_resident_peak); -1 each where it was not measured (on a GPU, or where
+/// Linux gives no such figures).
+struct ResidentGrowth {
+  std::int64_t before = -1;
+  std::int64_t peak = -1;
+  bool measured() const { return peak >= 0; }
+  /// The growth as text for a table, "-" where not measured.
+  std::string text() const { return measured() ? format_bytes(peak - before) : "-"; }
+  /// Adds host_rss_before_bytes, host_peak_rss_bytes and host_rss_growth_bytes where measured.
+  void add_to(nlohmann::json& j) const {
+    if (!measured()) return;
+    j["host_rss_before_bytes"] = before;
+    j["host_peak_rss_bytes"] = peak;
+    j["host_rss_growth_bytes"] = peak - before;
+  }
+};
+
 /// Hands the C heap's free pages back to the system (glibc's malloc_trim), so that a run's baseline
 /// is not raised by what an earlier run freed and malloc kept; torch_gpt2.py does the same.
 inline void release_free_heap() {
@@ -255,6 +273,15 @@ inline bool reset_resident_peak() {
   out << "5";
   out.flush();
   return out.good();
+}
+
+/// The growth since `before` up to now, where the peak was reset after it (peak_reset) and both
+/// figures exist; else not measured.
+inline ResidentGrowth resident_growth(const ResidentMemory& before, bool peak_reset) {
+  if (!peak_reset) return {};
+  const ResidentMemory after = resident_memory();
+  if (before.current < 0 || after.peak < 0) return {};
+  return {.before = before.current, .peak = after.peak};
 }
 
 inline void write_json(const std::string& path, const nlohmann::json& j) {

@@ -130,9 +130,7 @@ struct Run {
   std::vector<double> grad_norms;
   double wall_ms = 0.0;  // the timed steps' span on the stream, per step
   std::int64_t peak_allocated = 0, peak_reserved = 0;
-  // On the CPU: the process's resident bytes before the run's model was built, and their peak over
-  // the steps (bench_util.h, ResidentMemory); -1 on a GPU or where Linux's figures are missing.
-  std::int64_t rss_before = -1, rss_peak = -1;
+  mb::bench::ResidentGrowth rss;  // on the CPU, where Linux gives the figures
   nlohmann::json profile;  // ProfileReport::to_json() of the profiled steps, and "steps"; or null
   std::string profile_error;  // why the profiled steps stopped; the figures above stand
 };
@@ -157,11 +155,7 @@ nlohmann::json run_json(const Run& r, std::int64_t t) {
                       {"peak_reserved_bytes", r.peak_reserved},
                       {"losses", r.losses},
                       {"grad_norms", r.grad_norms}};
-  if (r.rss_peak >= 0) {
-    j["host_rss_before_bytes"] = r.rss_before;
-    j["host_peak_rss_bytes"] = r.rss_peak;
-    j["host_rss_growth_bytes"] = r.rss_peak - r.rss_before;
-  }
+  r.rss.add_to(j);
   if (!r.profile.is_null()) j["profile"] = r.profile;
   if (!r.profile_error.empty()) j["profile_error"] = r.profile_error;
   return j;
@@ -431,13 +425,7 @@ int main(int argc, char** argv) {
         const mb::MemoryStats stats = mb::memory_stats(dev);
         run.peak_allocated = stats.allocated.peak;
         run.peak_reserved = stats.reserved.peak;
-        if (rss_peak_reset) {
-          const mb::bench::ResidentMemory after = mb::bench::resident_memory();
-          if (before.current >= 0 && after.peak >= 0) {
-            run.rss_before = before.current;
-            run.rss_peak = after.peak;
-          }
-        }
+        run.rss = mb::bench::resident_growth(before, rss_peak_reset);
 
         if (profile) {
           // The same steps as above, after the timed ones, with the profiler on; the profiler's
@@ -513,10 +501,9 @@ int main(int argc, char** argv) {
       std::printf("%6lld   failed: %s\n", static_cast<long long>(r.batch), r.error.c_str());
       continue;
     }
-    const std::string rss = r.rss_peak >= 0 ? mb::format_bytes(r.rss_peak - r.rss_before) : "-";
     std::printf("%6lld %12.1f %12.0f %14s %14s %14s %10.4f\n", static_cast<long long>(r.batch),
                 r.step.median_ms, tokens_per_s(r, T), mb::format_bytes(r.peak_allocated).c_str(),
-                mb::format_bytes(r.peak_reserved).c_str(), rss.c_str(), r.losses.back());
+                mb::format_bytes(r.peak_reserved).c_str(), r.rss.text().c_str(), r.losses.back());
   }
   write_outputs();
   group.finalize();

@@ -103,7 +103,7 @@ struct Run {
   std::vector<double> losses;  // every step's loss, warm-up included
   std::vector<double> grad_norms;
   std::int64_t peak_allocated = 0, peak_reserved = 0;
-  std::int64_t rss_before = -1, rss_peak = -1;  // on the CPU, where Linux gives them
+  mb::bench::ResidentGrowth rss;  // on the CPU, where Linux gives the figures
 };
 
 double samples_per_s(const Run& r) {
@@ -122,11 +122,7 @@ nlohmann::json run_json(const Run& r) {
                       {"peak_reserved_bytes", r.peak_reserved},
                       {"losses", r.losses},
                       {"grad_norms", r.grad_norms}};
-  if (r.rss_peak >= 0) {
-    j["host_rss_before_bytes"] = r.rss_before;
-    j["host_peak_rss_bytes"] = r.rss_peak;
-    j["host_rss_growth_bytes"] = r.rss_peak - r.rss_before;
-  }
+  r.rss.add_to(j);
   return j;
 }
 
@@ -180,13 +176,7 @@ Run train_batch(const std::string& model_name, const mb::nn::StateDict& initial,
   const mb::MemoryStats stats = mb::memory_stats(dev);
   run.peak_allocated = stats.allocated.peak;
   run.peak_reserved = stats.reserved.peak;
-  if (rss_peak_reset) {
-    const mb::bench::ResidentMemory after = mb::bench::resident_memory();
-    if (before.current >= 0 && after.peak >= 0) {
-      run.rss_before = before.current;
-      run.rss_peak = after.peak;
-    }
-  }
+  run.rss = mb::bench::resident_growth(before, rss_peak_reset);
   return run;
 }
 
@@ -321,10 +311,9 @@ int main(int argc, char** argv) {
       std::printf("%6lld   failed: %s\n", static_cast<long long>(r.batch), r.error.c_str());
       continue;
     }
-    const std::string rss = r.rss_peak >= 0 ? mb::format_bytes(r.rss_peak - r.rss_before) : "-";
     std::printf("%6lld %10.2f %12.0f %14s %14s %10.4f\n", static_cast<long long>(r.batch),
                 r.step.median_ms, samples_per_s(r), mb::format_bytes(r.peak_allocated).c_str(),
-                rss.c_str(), r.losses.back());
+                r.rss.text().c_str(), r.losses.back());
   }
   write_outputs();
   return failed ? 1 : 0;

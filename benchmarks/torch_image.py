@@ -33,7 +33,8 @@ try:
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch_timing import Timer, read_safetensors, release_free_heap, reset_resident_peak, resident_memory
+    from torch_timing import (Timer, memory_fields, read_safetensors, release_free_heap,
+                              reset_resident_peak, resident_memory)
 except ImportError:
     print("torch_image: PyTorch is not installed for", sys.executable, file=sys.stderr)
     sys.exit(3)
@@ -98,12 +99,7 @@ def run_batch(B, a, name, weights, batches, device):
     med = statistics.median(times)
     run = dict(batch=B, step_ms_median=med, step_ms_min=min(times), step_ms_max=max(times),
                steps_timed=len(times), samples_per_s=B / (med * 1e-3), losses=losses, grad_norms=norms)
-    if device.type == "cuda":
-        run["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
-        run["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
-    if rss_before is not None and rss_peak is not None:
-        run.update(host_rss_before_bytes=rss_before, host_peak_rss_bytes=rss_peak,
-                   host_rss_growth_bytes=rss_peak - rss_before)
+    run.update(memory_fields(device, rss_before, rss_peak))
     return run
 
 

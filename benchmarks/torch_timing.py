@@ -114,3 +114,17 @@ def reset_resident_peak():
         return True
     except OSError:
         return False
+
+
+def memory_fields(device, rss_before, rss_peak):
+    """A run's memory figures, as the C++ benchmarks write them: the allocator's peaks on a GPU
+    (max_memory_allocated / max_memory_reserved), and where both resident sizes were measured (the
+    CPU runs) the growth of resident memory over the run."""
+    fields = {}
+    if device.type == "cuda":
+        fields["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        fields["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    if rss_before is not None and rss_peak is not None:
+        fields.update(host_rss_before_bytes=rss_before, host_peak_rss_bytes=rss_peak,
+                      host_rss_growth_bytes=rss_peak - rss_before)
+    return fields
