@@ -8,8 +8,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdlib>
 #include <exception>
@@ -196,26 +196,27 @@ int run_bench(Options& o) {
   namespace fs = std::filesystem;
   MB_CHECK(o.steps >= 1, "[bench] --steps must be >= 1, got {}", o.steps);
   MB_CHECK(o.warmup >= 0, "[bench] --warmup must be >= 0, got {}", o.warmup);
-  // The arguments a --config file sets, which it would otherwise override here unannounced.
-  const nlohmann::json file =
-      o.config.empty() ? nlohmann::json::object() : mb::train::read_arguments_file(o.config);
-  for (const char* name : {"max_steps", "num_train_epochs", "logging_steps", "eval_strategy",
-                           "eval_steps", "save_strategy", "save_steps", "resume_from_checkpoint"}) {
-    constexpr const char* kOwn =
-        "is the benchmark's own: it trains --warmup + --steps steps, logs each, and neither "
-        "evaluates nor saves";
+  // The arguments the benchmark sets itself, refused by flag and, once the config file is read,
+  // as its keys (the lines below would otherwise override them unannounced).
+  constexpr std::array kOwn = {
+      "max_steps",  "num_train_epochs", "logging_steps", "eval_strategy",
+      "eval_steps", "save_strategy",    "save_steps",    "resume_from_checkpoint"};
+  constexpr const char* kWhy =
+      "is the benchmark's own: it trains --warmup + --steps steps, logs each, and neither "
+      "evaluates nor saves";
+  for (const char* name : kOwn)
     MB_CHECK(o.given_options.at(name)->count() == 0, "[bench] {} {}",
-             o.given_options.at(name)->get_name(), kOwn);
-    MB_CHECK(!file.contains(name), "[bench] {} in {} {}", name, o.config, kOwn);
-  }
+             o.given_options.at(name)->get_name(), kWhy);
   mb::train::TrainingArguments args = training_arguments(o);
+  for (const char* name : kOwn)
+    MB_CHECK(!o.config_keys.count(name), "[bench] {} in {} {}", name, o.config, kWhy);
   args.max_steps = o.warmup + o.steps;
   args.logging_steps = 1;
   args.eval_strategy = "no";
   args.save_strategy = "no";
   // Into a temporary folder unless the flag or the config file names one.
   const bool temporary =
-      o.given_options.at("output_dir")->count() == 0 && !file.contains("output_dir");
+      o.given_options.at("output_dir")->count() == 0 && !o.config_keys.count("output_dir");
   mb::train::ProcessGroup& world = mb::train::ProcessGroup::world();
   if (temporary) {
     // Rank 0's folder, shared with the other ranks, which write nothing into it.

@@ -204,7 +204,8 @@ mb::train::TrainingArguments training_arguments(Options& o) {
     const nlohmann::json file = mb::train::read_arguments_file(o.config);
     (void)mb::train::TrainingArguments::from_json(file);
     j.update(file);
-    for (auto& [name, value] : file.items()) given.insert(name);
+    for (auto& [name, value] : file.items()) o.config_keys.insert(name);
+    given = o.config_keys;
   }
   const nlohmann::json defaults = command_defaults().to_json();
   for (auto& [name, text] : o.given) {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ struct Options {
   CLI::Option* json_option = nullptr;
   std::vector<CLI::Option*> model_options;  // read by some models or datasets only
   bool eval_strategy_given = false;         // by a flag or the config file
+  std::set<std::string> config_keys;        // the arguments the config file sets
   bool profile = false;                     // train only
   std::int64_t processes = 1;               // plan only: the processes of a data-parallel run
   std::string weights;                      // eval only: a weights file or a checkpoint folder
